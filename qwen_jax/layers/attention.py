@@ -1,0 +1,76 @@
+"""Full causal attention over a paged KV cache: projections, q/k norm, partial RoPE, GQA, output gate.
+
+Reference math: gathers each sequence's pages into a dense context. Never writes outside the block tables.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from qwen_jax.layers.mlp import linear
+from qwen_jax.layers.norms import rms_norm
+from qwen_jax.layers.rope import apply_rope
+
+
+def _proj(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """[B, S, H] x [H, heads, D] -> [B, S, heads, D], float32 accumulation."""
+    out = jnp.einsum("bsh,hnd->bsnd", x, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array,
+             block_tables: jax.Array) -> jax.Array:
+    """Scatter new keys or values [B, S, kv_heads, D] into cache [blocks, block_size, kv_heads, D] at their
+    positions. Padding tokens go to block 0, which the allocator never hands out."""
+    block_size = cache.shape[1]
+    page = jnp.take_along_axis(block_tables, positions // block_size, axis=1)
+    page = jnp.where(valid, page, 0)
+    offset = jnp.where(valid, positions % block_size, 0)
+    return cache.at[page, offset].set(new.astype(cache.dtype))
+
+
+def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                    context_lens: jax.Array, block_tables: jax.Array, scale: float) -> jax.Array:
+    """q: [B, S, heads, D] at absolute `positions` [B, S]; each query sees keys 0..its own position.
+    Softmax in float32; probabilities rounded to q's dtype before multiplying V (as HF eager does)."""
+    batch, seq, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    k = k_cache[block_tables].reshape(batch, -1, kv_heads, dim)  # [B, T, kv_heads, D]
+    v = v_cache[block_tables].reshape(batch, -1, kv_heads, dim)
+    qg = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(k.shape[1])
+    visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None], probs, 0.0).astype(q.dtype)  # rows of padding tokens see nothing
+    out = jnp.einsum("bngst,btnd->bsngd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, seq, heads, dim).astype(q.dtype)
+
+
+def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_freq: jax.Array
+                    ) -> tuple[jax.Array, dict]:
+    """x: [B, S, H] -> ([B, S, H], updated {"k", "v"} pages)."""
+    positions, valid = batch["positions"], batch["valid"]
+    q = _proj(x, p["q"], p.get("q_bias"))
+    k = _proj(x, p["k"], p.get("k_bias"))
+    v = _proj(x, p["v"], p.get("v_bias"))
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    q = apply_rope(q, positions, inv_freq, cfg.rope_interleaved)
+    k = apply_rope(k, positions, inv_freq, cfg.rope_interleaved)
+    k_cache = write_kv(cache["k"], k, positions, valid, batch["block_tables"])
+    v_cache = write_kv(cache["v"], v, positions, valid, batch["block_tables"])
+    out = paged_attention(q, k_cache, v_cache, positions, batch["context_lens"], batch["block_tables"],
+                          cfg.head_dim ** -0.5)
+    if cfg.attn_output_gate:
+        out = out * jax.nn.sigmoid(_proj(x, p["gate"], None))
+    out = jnp.einsum("bsnd,ndh->bsh", out, p["o"], preferred_element_type=jnp.float32)
+    if "o_bias" in p:
+        out = out + p["o_bias"].astype(jnp.float32)
+    return out.astype(x.dtype), {"k": k_cache, "v": v_cache}
+
+
+__all__ = ["attention_layer", "paged_attention", "write_kv", "linear"]

@@ -1,0 +1,126 @@
+"""Gated DeltaNet (Qwen3.5 linear attention): causal conv1d with a rolling state, L2-normed q/k, decay gates and
+the delta-rule recurrence on a float32 state, as a chunked (WY-form) scan for prefill and one step for decode.
+
+Reference math for pallas_kernels/gdn_*; state slots are read and written only at the rows `batch` names.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from qwen_jax.layers.mlp import linear
+from qwen_jax.layers.norms import gated_rms_norm
+
+CHUNK_SIZE = 64
+
+
+def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, seq_lens: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv + SiLU. x: [B, S, C...]; state: [B, K-1, C...] (the K-1 inputs before x);
+    weight: [K, C...]. Returns (out [B, S, C...], new state = the K-1 inputs ending at each row's last valid token)."""
+    kernel = weight.shape[0]
+    seq = x.shape[1]
+    full = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K-1+S, C...]
+    w = weight.astype(jnp.float32)
+    out = sum(full[:, i:i + seq].astype(jnp.float32) * w[i] for i in range(kernel))
+    out = jax.nn.silu(out).astype(x.dtype)
+    idx = seq_lens[:, None] + jnp.arange(kernel - 1)[None, :]  # [B, K-1]
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))
+    new_state = jnp.take_along_axis(full, idx, axis=1)
+    return out, new_state
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def recurrent_step(q, k, v, g, beta, state):
+    """One token. q, k: [B, Hv, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] (all float32)."""
+    state = state * jnp.exp(g)[..., None, None]
+    predicted = jnp.einsum("bhkv,bhk->bhv", state, k)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
+    """Whole prompt chunks at a time (WY form). q, k: [B, S, Hv, Dk]; v: [B, S, Hv, Dv]; g, beta: [B, S, Hv];
+    state: [B, Hv, Dk, Dv]. All float32; tokens with beta = 0 and g = 0 leave the state untouched.
+    Returns (out [B, S, Hv, Dv], final state, chunk-boundary states [B, S // chunk, Hv, Dk, Dv])."""
+    batch, seq, heads, _ = k.shape
+    pad = (-seq) % chunk_size
+    if pad:
+        q, k, v = (jnp.pad(t, ((0, 0), (0, pad), (0, 0), (0, 0))) for t in (q, k, v))
+        g, beta = (jnp.pad(t, ((0, 0), (0, pad), (0, 0))) for t in (g, beta))
+    n = (seq + pad) // chunk_size
+
+    def chunks(t):  # [B, S, H, ...] -> [B, H, N, C, ...]
+        t = t.reshape(batch, n, chunk_size, heads, *t.shape[3:])
+        return jnp.moveaxis(t, 3, 1)
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
+    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), dtype=bool))
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    strict = jnp.tril(jnp.ones((chunk_size, chunk_size), dtype=bool), -1)
+    system = jnp.where(strict, jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * decay, 0.0)
+    system = system + jnp.eye(chunk_size, dtype=system.dtype)
+    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)  # noqa: E731
+    new_values = solve(v_beta)
+    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])
+    intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, H, N]
+
+    def step(s, xs):
+        nv, kc, qd, kd, it, cd = xs
+        v_new = nv - jnp.einsum("bhck,bhkv->bhcv", kc, s)
+        out = jnp.einsum("bhck,bhkv->bhcv", qd, s) + jnp.einsum("bhij,bhjv->bhiv", it, v_new)
+        s = s * cd[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, v_new)
+        return s, (out, s)
+
+    xs = tuple(jnp.moveaxis(t, 2, 0) for t in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
+    final, (out, boundaries) = jax.lax.scan(step, state, xs)
+    out = jnp.moveaxis(out, 0, 2).reshape(batch, heads, -1, v.shape[-1])[:, :, :seq]
+    return jnp.moveaxis(out, 1, 2), final, jnp.moveaxis(boundaries, 0, 1)
+
+
+def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax.Array, dict]:
+    """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots)."""
+    slots, seq_lens, valid = batch["state_slots"], batch["seq_lens"], batch["valid"]
+    proj = lambda w: jnp.einsum("bsh,h...->bs...", x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
+    q, new_conv_q = causal_conv(proj(p["q"]), cache["conv_q"][slots], p["conv_q"], seq_lens)
+    k, new_conv_k = causal_conv(proj(p["k"]), cache["conv_k"][slots], p["conv_k"], seq_lens)
+    v, new_conv_v = causal_conv(proj(p["v"]), cache["conv_v"][slots], p["conv_v"], seq_lens)
+    z = proj(p["z"])  # [B, S, Hv, Dv]
+    b, a = proj(p["b"]), proj(p["a"])  # [B, S, Hv]
+
+    repeat = cfg.linear_num_value_heads // cfg.linear_num_key_heads  # value head j reads key head j // repeat
+    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=2) * cfg.linear_key_head_dim ** -0.5
+    k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), repeat, axis=2)
+    v = v.astype(jnp.float32)
+    beta = jnp.where(valid[..., None], jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+    g = jnp.where(valid[..., None], g, 0.0)
+    k = jnp.where(valid[..., None, None], k, 0.0)
+
+    state = cache["ssm"][slots]
+    if x.shape[1] == 1:
+        out, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+        out = out[:, None]
+    else:
+        out, state, _ = chunked_delta_rule(q, k, v, g, beta, state)
+    out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
+    out = jnp.einsum("bsnd,ndh->bsh", out, p["out"], preferred_element_type=jnp.float32).astype(x.dtype)
+    new_cache = {
+        "conv_q": cache["conv_q"].at[slots].set(new_conv_q),
+        "conv_k": cache["conv_k"].at[slots].set(new_conv_k),
+        "conv_v": cache["conv_v"].at[slots].set(new_conv_v),
+        "ssm": cache["ssm"].at[slots].set(state),
+    }
+    return out, new_cache
+
+
+__all__ = ["gdn_layer", "chunked_delta_rule", "recurrent_step", "causal_conv", "linear"]

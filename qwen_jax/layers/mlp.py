@@ -1,0 +1,58 @@
+"""SwiGLU MLP and the sparse mixture of experts (softmax top-k routing, optional shared expert).
+
+Reference math only: the grouped GEMM here is `jax.lax.ragged_dot`; fast kernels live in pallas_kernels/.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w with float32 accumulation, rounded to x's dtype (what a torch bf16 Linear does)."""
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Softmax over all experts in float32, keep the top k, optionally renormalise.
+    Returns (weights [T, k] in x's dtype, expert ids [T, k] int32)."""
+    logits = linear(x, router)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                    w_down: jax.Array) -> jax.Array:
+    """x: [T, H]; weights, ids: [T, k]; w_gate/w_up: [E, H, I]; w_down: [E, I, H] -> [T, H].
+    Sorts the T*k (token, expert) pairs by expert and runs each expert's rows as one group."""
+    num_tokens, top_k = ids.shape
+    num_experts = w_gate.shape[0]
+    flat_ids = ids.reshape(-1)
+    order = jnp.argsort(flat_ids)
+    rows = x[order // top_k]
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+
+    def gdot(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    hidden = jax.nn.silu(gdot(rows, w_gate)) * gdot(rows, w_up)
+    out = gdot(hidden, w_down) * weights.reshape(-1)[order][:, None]
+    # Undo the sort and add the k expert outputs of each token in float32.
+    unsorted = jnp.zeros_like(out, dtype=jnp.float32).at[order].set(out.astype(jnp.float32))
+    return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)
+
+
+def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
+    """Routed experts plus, when present, a shared expert scaled by sigmoid(x @ shared_expert_gate)."""
+    weights, ids = route(x, p["router"], top_k, renormalize)
+    out = grouped_experts(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"])
+    if "shared_gate" in p:
+        shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
+        out = out + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
+    return out

@@ -1,0 +1,1 @@
+"""Models: one decoder for every supported architecture, driven entirely by ModelConfig."""

@@ -1,0 +1,188 @@
+"""The decoder of every supported architecture (Qwen3.5 hybrid MoE/dense, Qwen3, Qwen3-MoE, LLaMA) as pure
+functions over an explicit params pytree and cache pytree.
+
+Layout of `params` (JAX convention, weights are [in, out]):
+    embed [V, H], final_norm [H], lm_head [H, V] (absent when tied),
+    layers[i] = {input_norm [H], post_norm [H], mixer: attention or gdn dict, mlp: dense or moe dict}
+`param_shapes` is the single source of truth for names and shapes: loaders, random init and sharding rules
+all follow it. This module never touches devices or files.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen_jax.config import FULL_ATTENTION, ModelConfig
+from qwen_jax.layers.attention import attention_layer
+from qwen_jax.layers.gated_deltanet import gdn_layer
+from qwen_jax.layers.mlp import sparse_moe, swiglu_mlp
+from qwen_jax.layers.norms import rms_norm
+
+F32 = jnp.float32
+
+
+def _attention_shapes(cfg: ModelConfig) -> dict:
+    h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {"q": (h, n, d), "k": (h, kv, d), "v": (h, kv, d), "o": (n, d, h)}
+    if cfg.attn_output_gate:
+        shapes["gate"] = (h, n, d)
+    if cfg.qk_norm:
+        shapes.update(q_norm=(d,), k_norm=(d,))
+    if cfg.attention_bias:
+        shapes.update(q_bias=(n, d), k_bias=(kv, d), v_bias=(kv, d), o_bias=(h,))
+    return shapes
+
+
+def _gdn_shapes(cfg: ModelConfig) -> dict:
+    h, nk, nv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, kern = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    return {
+        "q": (h, nk, dk), "k": (h, nk, dk), "v": (h, nv, dv), "z": (h, nv, dv), "b": (h, nv), "a": (h, nv),
+        "conv_q": (kern, nk, dk), "conv_k": (kern, nk, dk), "conv_v": (kern, nv, dv),
+        "A_log": (nv,), "dt_bias": (nv,), "norm": (dv,), "out": (nv, dv, h),
+    }
+
+
+def _mlp_shapes(cfg: ModelConfig, layer: int) -> dict:
+    h = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        i = cfg.intermediate_size
+        return {"w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
+    e, i = cfg.num_experts, cfg.moe_intermediate_size
+    shapes = {"router": (h, e), "w_gate": (e, h, i), "w_up": (e, h, i), "w_down": (e, i, h)}
+    if cfg.shared_expert_intermediate_size:
+        s = cfg.shared_expert_intermediate_size
+        shapes.update(shared_gate=(h, s), shared_up=(h, s), shared_down=(s, h), shared_expert_gate=(h, 1))
+    return shapes
+
+
+# Parameters kept in float32 whatever the model dtype (HF computes with them in float32).
+FLOAT32_PARAMS = ("A_log", "dt_bias")
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Pytree of jax.ShapeDtypeStruct with exactly the leaves `forward` reads."""
+    dtype = cfg.jnp_dtype
+
+    def spec(tree):
+        return {k: jax.ShapeDtypeStruct(v, F32 if k in FLOAT32_PARAMS else dtype) for k, v in tree.items()}
+
+    h = cfg.hidden_size
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        mixer = _attention_shapes(cfg) if kind == FULL_ATTENTION else _gdn_shapes(cfg)
+        layers.append({
+            "input_norm": jax.ShapeDtypeStruct((h,), dtype),
+            "post_norm": jax.ShapeDtypeStruct((h,), dtype),
+            "mixer": spec(mixer),
+            "mlp": spec(_mlp_shapes(cfg, i)),
+        })
+    tree = {
+        "embed": jax.ShapeDtypeStruct((cfg.vocab_size, h), dtype),
+        "final_norm": jax.ShapeDtypeStruct((h,), dtype),
+        "layers": layers,
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = jax.ShapeDtypeStruct((h, cfg.vocab_size), dtype)
+    return tree
+
+
+def cache_shapes(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int) -> dict:
+    """KV pages for attention layers (block 0 is a write sink for padding) and recurrent-state slots for
+    Gated DeltaNet layers (slot 0 likewise): conv inputs in the model dtype, the delta-rule state in float32."""
+    dtype = cfg.jnp_dtype
+    kv = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    k1 = cfg.linear_conv_kernel_dim - 1
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    layers = []
+    for kind in cfg.layer_types:
+        if kind == FULL_ATTENTION:
+            layers.append({"k": jax.ShapeDtypeStruct(kv, dtype), "v": jax.ShapeDtypeStruct(kv, dtype)})
+        else:
+            layers.append({
+                "conv_q": jax.ShapeDtypeStruct((num_slots, k1, nk, dk), dtype),
+                "conv_k": jax.ShapeDtypeStruct((num_slots, k1, nk, dk), dtype),
+                "conv_v": jax.ShapeDtypeStruct((num_slots, k1, nv, dv), dtype),
+                "ssm": jax.ShapeDtypeStruct((num_slots, nv, dk, dv), F32),
+            })
+    return {"layers": layers}
+
+
+def init_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int) -> dict:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, num_blocks, block_size, num_slots))
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:
+    """Random weights with the real shapes, drawn on the device (no host copy): the `dummy` load format.
+    Norm weights start at their identity value; GDN gates get values in the range trained models have."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    key = jax.random.key(seed)
+    out = []
+    for idx, (path, s) in enumerate(leaves):
+        name = str(path[-1].key)
+        if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"):
+            value = jnp.zeros(s.shape, s.dtype) if cfg.norm_plus_one else jnp.ones(s.shape, s.dtype)
+        elif name == "norm":
+            value = jnp.ones(s.shape, s.dtype)
+        elif name == "A_log":
+            value = jnp.log(jax.random.uniform(jax.random.fold_in(key, idx), s.shape, F32, 1.0, 16.0))
+        elif name == "dt_bias":
+            value = jnp.ones(s.shape, F32)
+        else:
+            value = (jax.random.normal(jax.random.fold_in(key, idx), s.shape, F32) * scale).astype(s.dtype)
+        out.append(value)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def make_batch(tokens: np.ndarray, start_positions: np.ndarray, seq_lens: np.ndarray, state_slots: np.ndarray,
+               block_tables: np.ndarray) -> dict:
+    """Host-side batch for `forward`: tokens [B, S] (padded), the position of each row's first new token,
+    the number of real new tokens per row (0 for a padding row), recurrent-state slot and KV block table per row."""
+    tokens = np.asarray(tokens, np.int32)
+    positions = np.asarray(start_positions, np.int32)[:, None] + np.arange(tokens.shape[1], dtype=np.int32)[None]
+    seq_lens = np.asarray(seq_lens, np.int32)
+    return {
+        "tokens": tokens,
+        "positions": positions,
+        "seq_lens": seq_lens,
+        "state_slots": np.asarray(state_slots, np.int32),
+        "block_tables": np.asarray(block_tables, np.int32),
+        "context_lens": np.asarray(start_positions, np.int32) + seq_lens,
+    }
+
+
+def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False
+            ) -> tuple[jax.Array, dict]:
+    """Run new tokens [B, S] of B sequences through the model, reading and updating their cache entries.
+    Returns (float32 logits of each row's last real token [B, V], or of every token [B, S, V]; new cache)."""
+    tokens = batch["tokens"]
+    batch = dict(batch, valid=jnp.arange(tokens.shape[1])[None, :] < batch["seq_lens"][:, None])
+    inv_freq = jnp.asarray(cfg.rope_inv_freq()) if cfg.attention_layers else None
+    x = params["embed"][tokens]
+    new_layers = []
+    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
+        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        if cfg.layer_types[i] == FULL_ATTENTION:
+            h, c = attention_layer(h, p["mixer"], c, batch, cfg, inv_freq)
+        else:
+            h, c = gdn_layer(h, p["mixer"], c, batch, cfg)
+        new_layers.append(c)
+        x = x + h
+        h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        flat = h.reshape(-1, h.shape[-1])
+        if cfg.is_moe_layer(i):
+            flat = sparse_moe(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        else:
+            flat = swiglu_mlp(flat, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"])
+        x = x + flat.reshape(h.shape)
+    if not all_logits:
+        last = jnp.maximum(batch["seq_lens"] - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.matmul(x, head, preferred_element_type=F32)
+    return logits, {"layers": new_layers}
