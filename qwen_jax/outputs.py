@@ -1,0 +1,33 @@
+"""What the engine hands back per request: RequestOutput (streamed as it grows) and its per-token logprobs.
+
+Plain data only; built by the engine, read by the offline API and the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-n (token id, logprob), best first; empty when n = 0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated so far
+    text: str  # all detokenized so far (stop string removed once matched)
+    delta_token_ids: list[int]  # new since the previous output of this request
+    delta_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when requested
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None

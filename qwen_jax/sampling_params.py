@@ -1,0 +1,71 @@
+"""SamplingParams: what a request asks of the sampler and of the stop checks, validated on construction.
+
+Field names and defaults follow vLLM's, so OpenAI-style request fields map onto them one to one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: off; 0: the chosen token's logprob; n: also the top n
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check()
+
+    def _check(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            fail(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= float(self.min_p) <= 1.0:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+            fail(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= float(getattr(self, name)) <= 2.0:
+                fail(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            fail(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop must be a non-empty string or a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids must be non-negative integers")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or
+                                          not 0 <= self.logprobs <= self.MAX_LOGPROBS):
+            fail(f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return float(self.temperature) == 0.0
