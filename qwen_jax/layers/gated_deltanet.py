@@ -90,10 +90,12 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
 def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax.Array, dict]:
     """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots)."""
     slots, seq_lens, valid = batch["state_slots"], batch["seq_lens"], batch["valid"]
+    fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
+    keep = lambda t: jnp.where(fresh.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.zeros_like(t), t)  # noqa: E731
     proj = lambda w: jnp.einsum("bsh,h...->bs...", x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
-    q, new_conv_q = causal_conv(proj(p["q"]), cache["conv_q"][slots], p["conv_q"], seq_lens)
-    k, new_conv_k = causal_conv(proj(p["k"]), cache["conv_k"][slots], p["conv_k"], seq_lens)
-    v, new_conv_v = causal_conv(proj(p["v"]), cache["conv_v"][slots], p["conv_v"], seq_lens)
+    q, new_conv_q = causal_conv(proj(p["q"]), keep(cache["conv_q"][slots]), p["conv_q"], seq_lens)
+    k, new_conv_k = causal_conv(proj(p["k"]), keep(cache["conv_k"][slots]), p["conv_k"], seq_lens)
+    v, new_conv_v = causal_conv(proj(p["v"]), keep(cache["conv_v"][slots]), p["conv_v"], seq_lens)
     z = proj(p["z"])  # [B, S, Hv, Dv]
     b, a = proj(p["b"]), proj(p["a"])  # [B, S, Hv]
 
@@ -106,7 +108,7 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax
     g = jnp.where(valid[..., None], g, 0.0)
     k = jnp.where(valid[..., None, None], k, 0.0)
 
-    state = cache["ssm"][slots]
+    state = keep(cache["ssm"][slots])
     if x.shape[1] == 1:
         out, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
         out = out[:, None]
