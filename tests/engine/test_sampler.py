@@ -1,0 +1,229 @@
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen_jax.engine.sampler import TOP_K_FAST_MAX, SamplingTensors, TokenHistory, apply_penalties, sample
+from qwen_jax.sampling_params import SamplingParams as SP
+
+V = 64  # most tests share (B=64, V=64, K=0) so they share one compilation
+B = 64
+
+
+def build(params, vocab=V, batch=B, num_generated=None, histories=None, eos=(), step_seed=0):
+    n = len(params)
+    return SamplingTensors.build(params, num_generated or [0] * n, histories or [None] * n, vocab_size=vocab,
+                                 batch_size=batch, eos_token_ids=eos, step_seed=step_seed)
+
+
+def pad_rows(row_logits, batch=B):
+    row_logits = np.atleast_2d(np.asarray(row_logits, np.float32))
+    return jnp.asarray(np.concatenate([row_logits, np.zeros((batch - len(row_logits), row_logits.shape[1]),
+                                                            np.float32)]))
+
+
+def crafted_logits(seed=0, vocab=V):
+    """Geometric probabilities 0.7^i on a random permutation of ids: no ties, known order."""
+    probs = 0.7 ** np.arange(vocab)
+    probs /= probs.sum()
+    perm = np.random.default_rng(seed).permutation(vocab)
+    logits = np.empty(vocab, np.float32)
+    logits[perm] = np.log(probs)
+    return logits, perm, probs
+
+
+def draw_many(row_logits, params, steps=16, vocab=V):
+    """B rows of the same logits and params, unseeded, over `steps` engine steps: B * steps draws."""
+    logits = jnp.asarray(np.tile(row_logits, (B, 1)))
+    out = [np.asarray(sample(logits, build([params] * B, vocab=vocab, step_seed=s), num_top_logprobs=0).tokens)
+           for s in range(steps)]
+    return np.concatenate(out)
+
+
+def test_greedy_rows_are_exact_argmax_even_beside_sampled_rows():
+    logits = np.random.default_rng(1).normal(size=(B, V)).astype(np.float32) * 4
+    params = [SP(temperature=0.0) if i % 2 == 0 else SP(temperature=1.0, top_p=0.5) for i in range(B)]
+    tokens = np.asarray(sample(jnp.asarray(logits), build(params), num_top_logprobs=0).tokens)
+    np.testing.assert_array_equal(tokens[::2], logits[::2].argmax(-1))
+    assert tokens.dtype == np.int32
+
+
+def test_top_k_1_is_greedy():
+    logits = np.random.default_rng(2).normal(size=(B, V)).astype(np.float32)
+    params = [SP(temperature=1.5, top_k=1, seed=i) for i in range(B)]
+    tokens = np.asarray(sample(jnp.asarray(logits), build(params), num_top_logprobs=0).tokens)
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("params", [SP(temperature=0.9, seed=1234), SP(temperature=0.9, top_k=20, top_p=0.9, seed=7),
+                                    SP(temperature=1.0, top_p=0.95, min_p=0.01, seed=99)])
+def test_seeded_row_ignores_batch_position_and_composition(params):
+    """The same seeded row sits at position 0 of a small plain batch and at position 37 of a full batch whose other
+    rows force the sort path; its tokens over 12 steps must be identical."""
+    row = np.random.default_rng(3).normal(size=V).astype(np.float32)
+    alone, crowded = [], []
+    for step in range(12):
+        small = build([params, SP(temperature=0)], batch=8, num_generated=[step, 0])
+        alone.append(int(sample(pad_rows([row], batch=8), small, num_top_logprobs=0).tokens[0]))
+        others = [SP(temperature=1.0, top_p=0.3), SP(temperature=0.5, top_k=TOP_K_FAST_MAX + 1), SP(seed=5)]
+        batch_params = [others[i % 3] for i in range(B)]
+        batch_params[37] = params
+        rows = np.random.default_rng(100 + step).normal(size=(B, V)).astype(np.float32)
+        rows[37] = row
+        done = [step if i == 37 else 3 for i in range(B)]
+        crowded.append(int(sample(jnp.asarray(rows), build(batch_params, num_generated=done, step_seed=step),
+                                  num_top_logprobs=0).tokens[37]))
+    assert alone == crowded
+    assert len(set(alone)) > 1  # the counter advances the key every step
+
+
+def test_different_seeds_give_different_draws():
+    flat = np.zeros(V, np.float32)  # uniform: two streams agree with probability 1/64 per draw
+    logits = jnp.asarray(np.tile(flat, (B, 1)))
+    a = [SP(seed=1)] * 32 + [SP(seed=2)] * 32
+    draws = np.stack([np.asarray(sample(logits, build(a, num_generated=[s] * B), num_top_logprobs=0).tokens)
+                      for s in range(8)])  # [steps, B]; each half of the batch repeats one seeded stream
+    np.testing.assert_array_equal(draws[:, :32], np.repeat(draws[:, :1], 32, axis=1))
+    assert np.sum(draws[:, 0] == draws[:, 32]) <= 2
+    # unseeded rows differ from one another within a step and across steps
+    free = np.stack([np.asarray(sample(logits, build([SP()] * B, step_seed=s), num_top_logprobs=0).tokens)
+                     for s in range(2)])
+    assert len(set(free[0].tolist())) > 30 and np.sum(free[0] == free[1]) <= 6
+
+
+def test_seeds_beyond_32_bits_are_distinct_streams():
+    logits = jnp.zeros((B, V), jnp.float32)
+    t = build([SP(seed=1), SP(seed=1 + 2**32), SP(seed=-1)] * 20 + [SP()] * 4)
+    tokens = np.asarray(sample(logits, t, num_top_logprobs=0).tokens)
+    assert not (np.array_equal(tokens[0:60:3], tokens[1:60:3]) or np.array_equal(tokens[0:60:3], tokens[2:60:3]))
+
+
+def _allowed_top_p(perm, probs, p):
+    before = np.cumsum(probs) - probs
+    return set(perm[before < p].tolist())
+
+
+@pytest.mark.parametrize("params, allowed", [
+    (SP(top_k=5), lambda perm, probs: set(perm[:5].tolist())),
+    (SP(top_p=0.8), lambda perm, probs: _allowed_top_p(perm, probs, 0.8)),
+    (SP(min_p=0.2), lambda perm, probs: set(perm[probs >= 0.2 * probs[0]].tolist())),
+    (SP(top_k=3, top_p=0.99), lambda perm, probs: set(perm[:3].tolist())),
+    # top-p over the renormalised top-6: 0.7^i for i < 6 sums to 2.94; 0.5 of it is covered after 2 tokens (1.7)
+    (SP(top_k=6, top_p=0.5), lambda perm, probs: set(perm[:2].tolist())),
+    (SP(top_k=TOP_K_FAST_MAX - 4, top_p=0.9), lambda perm, probs: _allowed_top_p(perm, probs, 0.9)),
+])
+def test_cuts_never_sample_outside_the_allowed_set(params, allowed):
+    row, perm, probs = crafted_logits(seed=4)
+    expected = allowed(perm, probs)
+    seen = set(draw_many(row, params).tolist())
+    assert seen <= expected
+    assert seen == expected  # 1,024 draws reach every allowed token at these probabilities
+
+
+def test_cuts_at_full_vocab_on_the_sort_path():
+    vocab = 248_320
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(2, vocab)).astype(np.float32)
+    top = np.argsort(-logits, axis=-1)
+    logits[0, top[0, :3]] += 12.0  # row 0: three tokens hold almost all the mass
+    params = [SP(top_p=0.9, seed=s) for s in range(2)]
+    tokens = np.stack([np.asarray(sample(jnp.asarray(logits), SamplingTensors.build(
+        params, [s, s], [None, None], vocab_size=vocab, batch_size=2), num_top_logprobs=0).tokens)
+        for s in range(6)])
+    assert set(tokens[:, 0].tolist()) <= set(top[0, :3].tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_reshapes_frequencies(temperature):
+    probs = np.array([0.5, 0.3, 0.2])
+    row = np.full(V, -1e4, np.float32)
+    row[[7, 19, 40]] = np.log(probs)
+    draws = draw_many(row, SP(temperature=temperature), steps=32)
+    counts = np.array([np.sum(draws == t) for t in (7, 19, 40)])
+    assert counts.sum() == len(draws) == 2048
+    expected = probs ** (1 / temperature)
+    expected = expected / expected.sum() * len(draws)
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    assert chi2 < 13.8, (counts, expected)  # df = 2, p = 0.001
+
+
+def test_penalties_change_logits_exactly_as_the_formulas():
+    rng = np.random.default_rng(6)
+    logits = rng.normal(size=(3, V)).astype(np.float32) * 3
+    prompts = [[1, 2, 3, 3], [4, 5], [6]]
+    outputs = [[3, 8, 8, 8, 9], [5, 10], [11, 11]]
+    params = [SP(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SP(repetition_penalty=0.8, frequency_penalty=-1.0), SP(presence_penalty=-2.0)]
+    histories = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        h = TokenHistory(prompt)
+        h.append(out[:2])
+        h.append(out[2:])
+        histories.append(h)
+    t = SamplingTensors.build(params, [len(o) for o in outputs], histories, vocab_size=V, batch_size=4)
+    got = np.asarray(apply_penalties(jnp.asarray(np.concatenate([logits, np.zeros((1, V), np.float32)])), t))
+    expected = np.concatenate([logits, np.zeros((1, V), np.float32)])
+    for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs, strict=True)):
+        r = np.float32(p.repetition_penalty)
+        for tok in set(prompt) | set(out):
+            x = expected[i, tok]
+            expected[i, tok] = x / r if x > 0 else x * r
+        for tok, c in Counter(out).items():
+            expected[i, tok] -= np.float32(p.frequency_penalty) * np.float32(c) + np.float32(p.presence_penalty)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got[:3], logits)
+    assert got[2, 6] == logits[2, 6]  # prompt-only token: presence and frequency do not touch it
+
+
+def test_repetition_penalty_flips_greedy_choice():
+    row = np.zeros(V, np.float32)
+    row[10], row[11] = 2.0, 1.8
+    h = TokenHistory([10])
+    plain = sample(pad_rows([row, row], batch=8), build([SP(temperature=0)] * 2, batch=8), num_top_logprobs=0)
+    penal = sample(pad_rows([row, row], batch=8), build([SP(temperature=0, repetition_penalty=1.2)] * 2, batch=8,
+                                                        histories=[h, h]), num_top_logprobs=0)
+    assert plain.tokens[:2].tolist() == [10, 10] and penal.tokens[:2].tolist() == [11, 11]
+
+
+def test_token_history_keeps_distinct_ids_and_output_counts():
+    h = TokenHistory([5, 1, 5, 9])
+    for t in [9, 70, 70] + list(range(100, 200)):
+        h.append([t])
+    counts = dict(zip(h.ids.tolist(), h.output_counts.tolist(), strict=True))
+    assert len(counts) == len(h.ids) == 3 + 1 + 100
+    assert counts[5] == 0 and counts[9] == 1 and counts[70] == 2 and counts[150] == 1
+    assert h.num_output_tokens == 103
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
+    rng = np.random.default_rng(8)
+    logits = rng.normal(size=(B, V)).astype(np.float32) * 2
+    params = [SP(temperature=0.7, top_p=0.9, seed=i, repetition_penalty=1.5) for i in range(B)]
+    histories = [TokenHistory(rng.integers(0, V, 10).tolist()) for _ in range(B)]
+    out = sample(jnp.asarray(logits), build(params, histories=histories), num_top_logprobs=5)
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    tokens = np.asarray(out.tokens)
+    np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(B), tokens], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-ref, axis=-1)[:, :5])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-ref, axis=-1)[:, :5], rtol=1e-6)
+    assert np.all(np.diff(np.asarray(out.top_logprobs), axis=-1) <= 0)
+    assert out.top_ids.shape == (B, 5) and out.top_ids.dtype == jnp.int32
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
+    eos = [60, 61]
+    row = np.zeros(V, np.float32)
+    row[[60, 61, 62, 3]] = [9.0, 8.0, 7.0, 6.0]
+    rows = [row] * 4
+    params = [SP(temperature=0, min_tokens=4, stop_token_ids=[62]),
+              SP(temperature=0, min_tokens=4, stop_token_ids=[62]),
+              SP(temperature=0, min_tokens=4, stop_token_ids=[62], ignore_eos=True),
+              SP(temperature=1.0, min_tokens=2, seed=0)]
+    t = build(params, batch=8, num_generated=[3, 4, 0, 1], eos=eos)
+    tokens = sample(pad_rows(rows, batch=8), t, num_top_logprobs=0).tokens[:4].tolist()
+    assert tokens[0] == 3  # EOS ids and the stop id banned before min_tokens
+    assert tokens[1] == 60  # min_tokens reached
+    assert tokens[2] == 60  # ignore_eos: EOS is not a stop, only the stop id is banned
+    assert tokens[3] not in eos
