@@ -1,0 +1,140 @@
+"""`python -m server`: the OpenAI-compatible HTTP server's command line (vllm-serve flag names), served by Hypercorn.
+
+Parses flags, turns on JAX's persistent compilation cache, serves until SIGTERM/SIGINT and then drains; never exits
+non-zero after a clean shutdown, never zero when the model failed to load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger("qwen_jax.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m server", description="qwen-jax OpenAI-compatible server")
+    p.add_argument("--model", default=None, help="HF model directory (default: the built-in tiny random model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name reported by /v1/models and in responses")
+    p.add_argument("--api-key", default=os.environ.get("QWEN_JAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1, /invocations and /tokenize")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--load-format", choices=("auto", "dummy"), default=None)
+    p.add_argument("--dtype", default=None, help="auto, bfloat16, float16 or float32")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGTERM before they are aborted")
+    p.add_argument("--compilation-cache-dir", default=os.environ.get("QWEN_JAX_COMPILATION_CACHE"),
+                   help="JAX persistent compilation cache (default ~/.cache/qwen_jax/jax_compilation_cache); "
+                        "'none' turns it off")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
+                "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
+                "load_format", "dtype", "seed")
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """The flags the engine takes, only those given (the engine's defaults apply to the rest)."""
+    return {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+
+
+def enable_compilation_cache(path: str | None) -> str | None:
+    """Persist compiled XLA executables so a restart skips compilation (thresholds lowered to cache everything)."""
+    if path is not None and path.lower() == "none":
+        return None
+    from qwen_jax.default_model import default_cache_dir
+
+    path = path or os.path.join(default_cache_dir(), "jax_compilation_cache")
+    os.makedirs(path, exist_ok=True)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
+async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
+    """Serve `app` until SIGTERM/SIGINT (or a failed engine start); returns the process exit code."""
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.backlog = 2048
+    config.graceful_timeout = graceful_timeout
+    config.keep_alive_timeout = 30
+    config.accesslog = None
+    config.errorlog = "-"
+    stop = asyncio.Event()
+    exit_code = 0
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watch_engine() -> None:
+        nonlocal exit_code
+        state = app.extensions["qwen_jax"]
+        while state.start_task is None:
+            await asyncio.sleep(0.05)
+        await asyncio.gather(state.start_task, return_exceptions=True)
+        if state.start_error is not None:
+            log.error("shutting down: the engine failed to start (%s)", state.start_error)
+            exit_code = 1
+            stop.set()
+
+    watcher = asyncio.create_task(watch_engine())
+    try:
+        await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    log.info("server stopped")
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    cache = enable_compilation_cache(args.compilation_cache_dir)
+    log.info("JAX compilation cache: %s", cache or "off")
+    model = args.model
+    if model is None:
+        from qwen_jax.default_model import ensure_default_model
+
+        model = ensure_default_model()
+        log.info("no --model given: serving the built-in default model at %s", model)
+    from qwen_jax.llm import AsyncLLM
+
+    from server.app import ServerConfig, create_app
+
+    engine = AsyncLLM.from_engine_args(model, **engine_args(args))
+    config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
+                          max_num_seqs=args.max_num_seqs or 64, max_queue_len=args.max_queue_len,
+                          max_body_bytes=args.max_request_bytes)
+    app = create_app(engine, config)
+    return asyncio.run(serve(app, args.host, args.port, args.graceful_timeout))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
