@@ -12,8 +12,13 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def silu(x: jax.Array) -> jax.Array:
+    """SiLU in float32, rounded once to x's dtype (as torch does for bf16; x * sigmoid(x) in bf16 rounds twice)."""
+    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+
+
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    return linear(silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -27,25 +32,35 @@ def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tup
     return weights.astype(x.dtype), ids.astype(jnp.int32)
 
 
-def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                    w_down: jax.Array) -> jax.Array:
-    """x: [T, H]; weights, ids: [T, k]; w_gate/w_up: [E, H, I]; w_down: [E, I, H] -> [T, H].
-    Sorts the T*k (token, expert) pairs by expert and runs each expert's rows as one group."""
+def routed_experts_f32(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                       w_down: jax.Array, first_expert: jax.Array | int = 0) -> jax.Array:
+    """x: [T, H]; weights, ids: [T, k]; w_gate/w_up: [E_local, H, I]; w_down: [E_local, I, H] -> float32 [T, H].
+    The weights hold experts first_expert .. first_expert + E_local - 1; (token, expert) pairs routed elsewhere are
+    dropped, so a device holding a slice of the experts (or of their I columns) returns its partial sum.
+    Sorts the kept pairs by expert and runs each expert's rows as one group."""
     num_tokens, top_k = ids.shape
-    num_experts = w_gate.shape[0]
-    flat_ids = ids.reshape(-1)
+    num_local = w_gate.shape[0]
+    flat_ids = ids.reshape(-1) - first_expert
+    # Pairs of other experts sort after every local group; no group covers them, so ragged_dot leaves them zero.
+    flat_ids = jnp.where((flat_ids >= 0) & (flat_ids < num_local), flat_ids, num_local)
     order = jnp.argsort(flat_ids)
     rows = x[order // top_k]
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_ids, length=num_local).astype(jnp.int32)
 
     def gdot(lhs, rhs):
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
-    hidden = jax.nn.silu(gdot(rows, w_gate)) * gdot(rows, w_up)
+    hidden = silu(gdot(rows, w_gate)) * gdot(rows, w_up)
     out = gdot(hidden, w_down) * weights.reshape(-1)[order][:, None]
     # Undo the sort and add the k expert outputs of each token in float32.
     unsorted = jnp.zeros_like(out, dtype=jnp.float32).at[order].set(out.astype(jnp.float32))
-    return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)
+    return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                    w_down: jax.Array) -> jax.Array:
+    """x: [T, H]; weights, ids: [T, k]; w_gate/w_up: [E, H, I]; w_down: [E, I, H] -> [T, H] (all experts)."""
+    return routed_experts_f32(x, weights, ids, w_gate, w_up, w_down).astype(x.dtype)
 
 
 def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
