@@ -10,6 +10,8 @@ all follow it. This module never touches devices or files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,10 +157,11 @@ def make_batch(tokens: np.ndarray, start_positions: np.ndarray, seq_lens: np.nda
     }
 
 
-def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False
-            ) -> tuple[jax.Array, dict]:
+def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False,
+            moe_impl: Callable = sparse_moe) -> tuple[jax.Array, dict]:
     """Run new tokens [B, S] of B sequences through the model, reading and updating their cache entries.
-    Returns (float32 logits of each row's last real token [B, V], or of every token [B, S, V]; new cache)."""
+    Returns (float32 logits of each row's last real token [B, V], or of every token [B, S, V]; new cache).
+    `moe_impl` has `sparse_moe`'s signature; sharding/ swaps in an expert-parallel one chosen from the mesh."""
     tokens = batch["tokens"]
     batch = dict(batch, valid=jnp.arange(tokens.shape[1])[None, :] < batch["seq_lens"][:, None])
     inv_freq = jnp.asarray(cfg.rope_inv_freq()) if cfg.attention_layers else None
@@ -175,7 +178,7 @@ def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
         flat = h.reshape(-1, h.shape[-1])
         if cfg.is_moe_layer(i):
-            flat = sparse_moe(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            flat = moe_impl(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
         else:
             flat = swiglu_mlp(flat, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"])
         x = x + flat.reshape(h.shape)
