@@ -1,0 +1,68 @@
+"""Expert-parallel MoE with shard_map: tokens stay replicated over the model axes, each device runs its own experts
+(and its own expert columns) with ragged_dot on local group sizes, and one psum combines routed + shared partials.
+
+Same signature and math as qwen_jax.layers.mlp.sparse_moe (the reference); only the summation order differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from qwen_jax.config import ModelConfig
+from qwen_jax.layers.mlp import linear, route, routed_experts_f32, sparse_moe
+from qwen_jax.models.decoder import param_shapes
+from sharding.mesh import MODEL_AXES, model_parallel_size
+from sharding.rules import MOE, logical_to_spec
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _context_mesh(mesh: Mesh):
+    """Inside a shard_map over the data axis the inner shard_map must be given the context (partly manual) mesh."""
+    current = jax.sharding.get_abstract_mesh()
+    return current if tuple(current.axis_names) == tuple(mesh.axis_names) else mesh
+
+
+def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
+    """sparse_moe(x [T, H], p, top_k, renormalize) with the experts split over the mesh as sharding/rules.py says."""
+    shapes = param_shapes(cfg)["layers"][cfg.moe_layers[0]]["mlp"]  # every MoE layer has the same shapes
+    specs = {name: logical_to_spec(MOE[name], s.shape, mesh) for name, s in shapes.items()}
+    expert_axes = _axes(specs["w_gate"][0])
+    routed_axes = expert_axes + _axes(specs["w_gate"][2])
+    shared_axes = _axes(specs["shared_gate"][1]) if "shared_gate" in specs else ()
+    local_experts = cfg.num_experts // math.prod(mesh.shape[a] for a in expert_axes)
+
+    def body(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
+        weights, ids = route(x, p["router"], top_k, renormalize)
+        first = jax.lax.axis_index(expert_axes) * local_experts if expert_axes else 0
+        partials = {routed_axes: routed_experts_f32(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"], first)}
+        if "shared_gate" in p:
+            hidden = jax.nn.silu(linear(x, p["shared_gate"])) * linear(x, p["shared_up"])
+            shared = jnp.matmul(hidden, p["shared_down"], preferred_element_type=jnp.float32)
+            scale = jax.nn.sigmoid(linear(x, p["shared_expert_gate"])).astype(jnp.float32)
+            partials[shared_axes] = partials.get(shared_axes, 0.0) + scale * shared
+        out = sum(jax.lax.psum(v, axes) if axes else v for axes, v in partials.items())
+        return out.astype(x.dtype)
+
+    def moe(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
+        fn = jax.shard_map(
+            lambda x, p: body(x, p, top_k, renormalize), mesh=_context_mesh(mesh),
+            in_specs=(P(), {k: specs[k] for k in p}), out_specs=P(), axis_names=set(MODEL_AXES))
+        return fn(x, p)
+
+    return moe
+
+
+def moe_impl_for(cfg: ModelConfig, mesh: Mesh) -> Callable:
+    """The one place the MoE implementation is chosen: the reference when one device holds every expert."""
+    if not cfg.moe_layers or model_parallel_size(mesh) == 1:
+        return sparse_moe
+    return expert_parallel_moe(cfg, mesh)

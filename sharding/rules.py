@@ -1,0 +1,164 @@
+"""Partitioning rules, declared once: param/cache leaf -> logical axes -> mesh axes -> PartitionSpec/NamedSharding,
+and `place`, which puts a host tensor straight into its shards.
+
+This is the only module that maps tensor dimensions to mesh axes; model code never names a mesh axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qwen_jax.config import FULL_ATTENTION, ModelConfig
+from qwen_jax.models import decoder
+from sharding.mesh import DATA, EXPERT, MODEL_AXES, TENSOR
+
+# Logical axis -> mesh axes. A dimension that the product of its mesh axes does not divide is replicated (e.g.
+# 2 KV heads on 8 devices: every device computes and caches both, as vLLM does), except the data axes below.
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    "vocab": MODEL_AXES,
+    "heads": MODEL_AXES,
+    "kv_heads": MODEL_AXES,
+    "gdn_key_heads": MODEL_AXES,
+    "gdn_value_heads": MODEL_AXES,
+    "mlp": MODEL_AXES,  # dense MLP and shared-expert columns
+    "experts": (EXPERT,),
+    "expert_mlp": (TENSOR,),  # columns of each routed expert
+    "batch": (DATA,),
+    "cache_blocks": (DATA,),
+    "cache_slots": (DATA,),
+}
+DATA_LOGICAL = ("batch", "cache_blocks", "cache_slots")  # must divide: each DP replica owns its rows and pages
+
+# Leaf name -> logical axis per dimension (None: replicated), by where the leaf sits in the tree.
+_NORM = ("hidden",)
+TOP_LEVEL = {"embed": ("vocab", "hidden"), "lm_head": ("hidden", "vocab"), "final_norm": _NORM}
+LAYER = {"input_norm": _NORM, "post_norm": _NORM}
+ATTENTION = {
+    "q": ("hidden", "heads", None), "gate": ("hidden", "heads", None), "k": ("hidden", "kv_heads", None),
+    "v": ("hidden", "kv_heads", None), "o": ("heads", None, "hidden"), "q_norm": (None,), "k_norm": (None,),
+    "q_bias": ("heads", None), "k_bias": ("kv_heads", None), "v_bias": ("kv_heads", None), "o_bias": _NORM,
+}
+GDN = {
+    "q": ("hidden", "gdn_key_heads", None), "k": ("hidden", "gdn_key_heads", None),
+    "v": ("hidden", "gdn_value_heads", None), "z": ("hidden", "gdn_value_heads", None),
+    "b": ("hidden", "gdn_value_heads"), "a": ("hidden", "gdn_value_heads"),
+    "conv_q": (None, "gdn_key_heads", None), "conv_k": (None, "gdn_key_heads", None),
+    "conv_v": (None, "gdn_value_heads", None), "A_log": ("gdn_value_heads",), "dt_bias": ("gdn_value_heads",),
+    "norm": (None,), "out": ("gdn_value_heads", None, "hidden"),
+}
+DENSE_MLP = {"w_gate": ("hidden", "mlp"), "w_up": ("hidden", "mlp"), "w_down": ("mlp", "hidden")}
+MOE = {
+    "router": ("hidden", None),
+    "w_gate": ("experts", "hidden", "expert_mlp"), "w_up": ("experts", "hidden", "expert_mlp"),
+    "w_down": ("experts", "expert_mlp", "hidden"),
+    "shared_gate": ("hidden", "mlp"), "shared_up": ("hidden", "mlp"), "shared_down": ("mlp", "hidden"),
+    "shared_expert_gate": ("hidden", None),
+}
+ATTENTION_CACHE = {"k": ("cache_blocks", None, "kv_heads", None), "v": ("cache_blocks", None, "kv_heads", None)}
+GDN_CACHE = {
+    "conv_q": ("cache_slots", None, "gdn_key_heads", None), "conv_k": ("cache_slots", None, "gdn_key_heads", None),
+    "conv_v": ("cache_slots", None, "gdn_value_heads", None),
+    "ssm": ("cache_slots", "gdn_value_heads", None, None),
+}
+
+
+def _key(entry) -> str | int:
+    return getattr(entry, "key", getattr(entry, "idx", entry))
+
+
+def param_logical_axes(cfg: ModelConfig, path: tuple) -> tuple[str | None, ...]:
+    """Logical axes of the param at `path` (keys as in decoder.param_shapes, e.g. ("layers", 3, "mixer", "q"))."""
+    path = tuple(_key(k) for k in path)
+    if path[0] != "layers":
+        return TOP_LEVEL[path[0]]
+    layer, group = path[1], path[2]
+    if group in LAYER:
+        return LAYER[group]
+    if group == "mixer":
+        return (ATTENTION if cfg.layer_types[layer] == FULL_ATTENTION else GDN)[path[3]]
+    return (MOE if cfg.is_moe_layer(layer) else DENSE_MLP)[path[3]]
+
+
+def cache_logical_axes(cfg: ModelConfig, path: tuple) -> tuple[str | None, ...]:
+    layer, name = _key(path[1]), _key(path[2])
+    return (ATTENTION_CACHE if cfg.layer_types[layer] == FULL_ATTENTION else GDN_CACHE)[name]
+
+
+def logical_to_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """PartitionSpec for one array; size-1 mesh axes are left out, non-dividing model axes replicate."""
+    entries = []
+    for name, dim in zip(logical, shape, strict=True):
+        axes = tuple(a for a in LOGICAL_RULES.get(name, ()) if a in mesh.shape and mesh.shape[a] > 1)
+        size = int(np.prod([mesh.shape[a] for a in axes]))
+        if axes and dim % size:
+            if name in DATA_LOGICAL:
+                raise ValueError(f"{name} dimension {dim} is not divisible by the data-parallel size {size}")
+            axes = ()
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
+
+
+def param_specs(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Pytree of PartitionSpec matching decoder.param_shapes(cfg)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: logical_to_spec(param_logical_axes(cfg, path), s.shape, mesh), decoder.param_shapes(cfg))
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Pytree of NamedSharding matching decoder.param_shapes(cfg)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(cfg, mesh))
+
+
+def cache_specs(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> dict:
+    """Pytree of PartitionSpec matching decoder.cache_shapes: pages/slots over data, heads over the model axes
+    (a GDN layer's conv inputs and float32 recurrent state split with its heads)."""
+    shapes = decoder.cache_shapes(cfg, num_blocks, block_size, num_slots)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: logical_to_spec(cache_logical_axes(cfg, path), s.shape, mesh), shapes)
+
+
+def cache_shardings(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> dict:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cfg, mesh, num_blocks, block_size,
+                                                                            num_slots))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch entries and logits have the batch rows first: rows split over data (replica r gets the r-th contiguous
+    block, whose block tables and state slots index that replica's own cache shard), whole over the model axes
+    (the sampler sees the full vocabulary)."""
+    return NamedSharding(mesh, P(DATA) if mesh.shape[DATA] > 1 else P())
+
+
+def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global jax.Array from a host array: each addressable device receives only its own slice (multi-host safe:
+    a host copies only the slices of its own devices)."""
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def put_tree(tree: dict, shardings: dict) -> dict:
+    return jax.tree.map(put, tree, shardings)
+
+
+def make_place(cfg: ModelConfig, mesh: Mesh) -> Callable[[tuple, np.ndarray], jax.Array]:
+    """`place(path, host_array)` for weights.load_params: the tensor goes straight into its shards."""
+
+    def place(path: tuple, array: np.ndarray) -> jax.Array:
+        shape = tuple(np.shape(array))
+        return put(array, NamedSharding(mesh, logical_to_spec(param_logical_axes(cfg, path), shape, mesh)))
+
+    return place
+
+
+def bytes_per_device(tree: dict) -> dict[jax.Device, int]:
+    """Bytes each device holds of a pytree of jax.Arrays (its addressable shards)."""
+    totals: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return totals
