@@ -5,7 +5,7 @@ Index 0 of each pool is never handed out: padding rows of a batch write there. N
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class OutOfMemory(RuntimeError):
@@ -20,7 +20,9 @@ class BlockPool:
             raise ValueError(f"need at least 2 KV blocks (one is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free: deque[int] = deque(range(1, num_blocks))
+        # Free blocks in the order they should be reused (least recently freed first). An OrderedDict so that a free
+        # block still holding a cached prefix can be taken back out in O(1) when a new request hits it.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.ref_counts = [0] * num_blocks
 
     @property
@@ -37,12 +39,15 @@ class BlockPool:
     def allocate(self, count: int = 1) -> list[int]:
         if count > len(self.free):
             raise OutOfMemory(f"asked for {count} KV blocks, {len(self.free)} free")
-        blocks = [self.free.popleft() for _ in range(count)]
+        blocks = [self.free.popitem(last=False)[0] for _ in range(count)]
         for b in blocks:
             self.ref_counts[b] = 1
         return blocks
 
     def retain(self, block: int) -> None:
+        """Add a reference (a prefix-cache hit); a free block is taken off the free list."""
+        if self.ref_counts[block] == 0:
+            del self.free[block]
         self.ref_counts[block] += 1
 
     def release(self, blocks: list[int]) -> list[int]:
@@ -54,7 +59,7 @@ class BlockPool:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 freed.append(b)
-                self.free.append(b)
+                self.free[b] = None
         return freed
 
 

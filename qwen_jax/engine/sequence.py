@@ -1,0 +1,54 @@
+"""Sequence: one request's state inside the engine (tokens, memory it holds, progress, sampling bookkeeping).
+
+Plain host-side data; the scheduler mutates it, nothing here touches devices.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from qwen_jax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.slot: int | None = None  # recurrent-state slot (hybrid models)
+        self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (last admission)
+        self.block_hashes: list[int] = []  # hash chain of the full prompt blocks
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
