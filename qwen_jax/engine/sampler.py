@@ -79,7 +79,7 @@ class SamplingTensors(NamedTuple):
     repetition_penalty: jax.Array  # [B] f32; 1 = off
     presence_penalty: jax.Array  # [B] f32
     frequency_penalty: jax.Array  # [B] f32
-    rng: jax.Array  # [B, 3] u32: (seed low word, seed high word, counter); key = fold_in(fold_in(key(lo), hi), counter)
+    rng: jax.Array  # [B, 3] u32: (seed low word, seed high word, counter); key = fold_in(key(seed), counter)
     history_ids: jax.Array  # [B, L] i32 distinct prompt+output ids, padded with V (dropped); L = 0: no penalties
     history_counts: jax.Array  # [B, L] i32 output occurrences of history_ids
     banned_ids: jax.Array  # [B, NB] i32 ids forced to -inf this step, padded with V; NB = 0: none in the batch
@@ -148,7 +148,7 @@ class SamplingTensors(NamedTuple):
             banned_ids[i, : len(ids)] = ids
         arrays = (temperature, top_k, top_p, min_p, rep, presence, frequency, rng, history_ids, history_counts,
                   banned_ids)
-        return cls(*(jnp.asarray(a) for a in arrays))
+        return cls(*jax.device_put(arrays))  # one batched host-to-device transfer
 
 
 class SampleOutput(NamedTuple):
@@ -218,8 +218,10 @@ def _truncate(scaled: jax.Array, t: SamplingTensors, active: jax.Array) -> jax.A
 
 
 def _row_key(rng: jax.Array) -> jax.Array:
-    key = jax.random.key(rng[0])
-    return jax.random.fold_in(jax.random.fold_in(key, rng[1]), rng[2])
+    """(lo, hi, counter) -> fold_in(key(seed), counter): key data [hi, lo] is exactly what jax.random.key(seed) holds
+    for a 64-bit seed (and [0, seed] for a 32-bit one), without tracing the seeding."""
+    key = jax.random.wrap_key_data(jnp.stack([rng[1], rng[0]]), impl="threefry2x32")
+    return jax.random.fold_in(key, rng[2])
 
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs",))
