@@ -57,6 +57,12 @@ def resolve_model(model: str | None) -> str:
     return model
 
 
+def _read_config(model_path: str) -> dict:
+    path = os.path.join(model_path, "config.json") if os.path.isdir(model_path) else model_path
+    with open(path) as f:
+        return json.load(f)
+
+
 def load_tokenizer(model_path: str):
     """The HF tokenizer of a model directory, or None when it ships none (then only token ids are served)."""
     if os.path.isdir(model_path) and any(os.path.exists(os.path.join(model_path, f))
@@ -88,7 +94,10 @@ class LLMEngine:
         if args["tensor_parallel_size"] * args["data_parallel_size"] != 1 or args["enable_expert_parallel"]:
             raise NotImplementedError("multi-device layouts are not wired into the engine yet (see sharding/)")
         self.model_path = resolve_model(model)
-        config_dict, source = open_checkpoint(self.model_path)
+        if args["load_format"] == "dummy":  # only config.json is needed (no weights on disk)
+            config_dict, source = _read_config(self.model_path), None
+        else:
+            config_dict, source = open_checkpoint(self.model_path)
         cfg = from_hf_dict(config_dict)
         if args["dtype"] != "auto":
             cfg = cfg.with_dtype(args["dtype"])

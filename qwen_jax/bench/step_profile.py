@@ -1,0 +1,117 @@
+"""Decode step time of the engine's jitted step (forward + sampler) at several batch sizes, next to the memory
+roofline, plus a per-layer-type breakdown and compile times: where a decode step's time goes.
+
+Random weights with the real shapes (`dummy`); reads nothing from disk but config.json. Prints a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen_jax.bench.roofline import H200_TBPS, decode_bytes
+from qwen_jax.config import load_config
+from qwen_jax.engine.runner import _step
+from qwen_jax.engine.sampler import SamplingTensors
+from qwen_jax.layers.attention import attention_layer
+from qwen_jax.layers.gated_deltanet import gdn_layer
+from qwen_jax.layers.mlp import sparse_moe, swiglu_mlp
+from qwen_jax.models.decoder import init_cache, random_params
+from qwen_jax.sampling_params import SamplingParams
+
+
+def _time(fn, *args, repeats: int = 20) -> tuple[float, float]:
+    """(first call incl. compile, median of repeats) in seconds."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, float(np.median(times))
+
+
+def decode_batch(batch: int, context: int, block_size: int, width: int) -> dict:
+    tables = np.arange(1, batch * width + 1, dtype=np.int32).reshape(batch, width)
+    return {"tokens": np.ones((batch, 1), np.int32), "positions": np.full((batch, 1), context, np.int32),
+            "seq_lens": np.ones(batch, np.int32), "state_slots": np.arange(1, batch + 1, dtype=np.int32),
+            "block_tables": tables, "context_lens": np.full(batch, context + 1, np.int32)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--bandwidth", type=float, default=H200_TBPS, help="TB/s used for the roofline")
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    batches = [int(b) for b in args.batches.split(",")]
+    block_size = 16
+    width = (args.context + 1 + block_size - 1) // block_size
+    params = random_params(cfg)
+    cache = init_cache(cfg, max(batches) * width + 1, block_size, max(batches) + 1)
+    report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context, "decode": [],
+              "layers": []}
+    for b in batches:
+        batch = decode_batch(b, args.context, block_size, width)
+        tensors = SamplingTensors.build([SamplingParams(temperature=0.0)] * b, [0] * b, [None] * b,
+                                        vocab_size=cfg.vocab_size, batch_size=b)
+        state = {"cache": cache}
+
+        def step(batch=batch, tensors=tensors, state=state):
+            out, state["cache"] = _step(params, state["cache"], batch, tensors, cfg=cfg, num_top_logprobs=0)
+            return out.tokens
+
+        first, median = _time(step)
+        cache = state["cache"]
+        need = decode_bytes(cfg, b, args.context)
+        total = need.total if hasattr(need, "total") else float(need)
+        report["decode"].append({"batch": b, "compile_and_first_s": round(first, 2), "step_ms": round(median * 1e3, 3),
+                                 "roofline_ms": round(total / (args.bandwidth * 1e12) * 1e3, 3),
+                                 "fraction_of_roofline": round(total / (args.bandwidth * 1e12) / median, 3)})
+        print(json.dumps(report["decode"][-1]), flush=True)
+
+    # One layer of each kind at each batch: which part of the step dominates.
+    attn_i = cfg.attention_layers[0]
+    gdn_i = cfg.linear_layers[0] if cfg.linear_layers else None
+    inv = jnp.asarray(cfg.rope_inv_freq())
+    for b in batches:
+        batch = dict(decode_batch(b, args.context, block_size, width))
+        batch["valid"] = jnp.ones((b, 1), bool)
+        x = jax.random.normal(jax.random.key(0), (b, 1, cfg.hidden_size), jnp.float32).astype(cfg.jnp_dtype)
+        row = {"batch": b}
+        f = jax.jit(lambda x, p, c, bt: attention_layer(x, p, c, bt, cfg, inv)[0])
+        row["attention_ms"] = round(_time(f, x, params["layers"][attn_i]["mixer"], cache["layers"][attn_i], batch)[1]
+                                    * 1e3, 3)
+        if gdn_i is not None:
+            f = jax.jit(lambda x, p, c, bt: gdn_layer(x, p, c, bt, cfg)[0])
+            row["gdn_ms"] = round(_time(f, x, params["layers"][gdn_i]["mixer"], cache["layers"][gdn_i], batch)[1]
+                                  * 1e3, 3)
+        mlp = params["layers"][0]["mlp"]
+        flat = x.reshape(b, -1)
+        if cfg.is_moe_layer(0):
+            f = jax.jit(lambda x, p: sparse_moe(x, p, cfg.num_experts_per_tok, cfg.norm_topk_prob))
+        else:
+            f = jax.jit(lambda x, p: swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"]))
+        row["mlp_ms"] = round(_time(f, flat, mlp)[1] * 1e3, 3)
+        head = params.get("lm_head", params["embed"].T)
+        f = jax.jit(lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32))
+        row["lm_head_ms"] = round(_time(f, flat, head)[1] * 1e3, 3)
+        n_attn, n_gdn = len(cfg.attention_layers), len(cfg.linear_layers)
+        row["sum_of_layers_ms"] = round(n_attn * row["attention_ms"] + n_gdn * row.get("gdn_ms", 0)
+                                        + cfg.num_layers * row["mlp_ms"] + row["lm_head_ms"], 3)
+        report["layers"].append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
