@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -232,14 +233,15 @@ def summarize(results: Sequence[RequestResult], wall_s: float, tokenizer: Any, i
 
 
 async def spot_check(client: httpx.AsyncClient, base_url: str, model: str, seed: int, max_tokens: int) -> dict:
-    """Greedy arithmetic chat requests; `correct` counts answers containing the right number."""
+    """Greedy arithmetic chat requests; `correct` counts replies containing the right number (not as part of a
+    longer number)."""
     checks = []
     for question, answer in arithmetic_questions(seed):
         try:
             reply = await chat_completion(client, base_url, model, [{"role": "user", "content": question}],
                                           max_tokens=max_tokens, temperature=0.0)
-            checks.append({"question": question, "answer": answer, "reply": reply[:200],
-                           "correct": str(answer) in reply})
+            correct = re.search(rf"(?<!\d){answer}(?!\d)", reply) is not None
+            checks.append({"question": question, "answer": answer, "reply": reply[:200], "correct": correct})
         except Exception as e:  # noqa: BLE001
             checks.append({"question": question, "answer": answer, "error": f"{type(e).__name__}: {e}",
                            "correct": False})

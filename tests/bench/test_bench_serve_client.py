@@ -118,3 +118,21 @@ def test_cli_appends_a_run_to_results(tokenizer, fake_server, tmp_path, capsys):
     assert saved["weighted_score"] == pytest.approx(sum(lv["total_tok_s"] for lv in saved["levels"]))
     out = capsys.readouterr().out
     assert "weighted score" in out and "meaningless with random weights" in out
+
+
+def test_spot_check_wants_the_exact_number(tokenizer, fake_server):
+    replies = iter(["The sum is {}.", "1{}"])
+
+    def chat(messages):
+        a, b = messages[-1]["content"].removeprefix("What is ").split("?")[0].split(" + ")
+        return next(replies).format(int(a) + int(b))
+
+    async def go():
+        async with fake_server(tokenizer, chat=chat) as (url, seen):
+            async with serve.make_client(1, 10.0) as client:
+                return await serve.spot_check(client, url, "fake", seed=5, max_tokens=16), seen
+
+    result, seen = asyncio.run(go())
+    assert [c["correct"] for c in result["checks"]] == [True, False]
+    assert result["correct"] == 1 and result["total"] == 2
+    assert all(b["messages"][0]["content"].endswith("Answer with the number only.") for b in seen["chat_log"])
