@@ -159,10 +159,10 @@ class Scheduler:
         return StepPlan(decode, prefill, preempted)
 
     def _chunk_limit(self, seq: Sequence) -> int:
-        """With prefix caching on a hybrid model, a prefill chunk ends at the prompt's snapshot boundary so that the
-        state there is saved (in every run, hit or not, so cached and uncached runs compute identically)."""
-        if self.prefix_cache is None or not self.prefix_cache.hybrid:
-            return 1 << 30
+        """A prefill chunk ends at the prompt's snapshot boundary (the last full block that leaves a token to compute),
+        for every model and whether or not prefix caching is on: a prefix-cache hit resumes exactly there, so runs
+        with a hit, with a miss and with caching off all compute the tail in the same chunk and give identical logits.
+        Hybrid models with caching on also save their recurrent state at that boundary."""
         boundary = snapshot_boundary(len(seq.prompt_token_ids), self.blocks.block_size)
         if seq.num_computed_tokens < boundary:
             return boundary - seq.num_computed_tokens
