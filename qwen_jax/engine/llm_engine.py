@@ -43,6 +43,7 @@ ENGINE_ARGS = dict(
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
     cpu_cache_budget_gib=2.0,  # cache memory on a CPU backend (no device memory statistics there)
+    num_kv_blocks=None,  # usable KV blocks, overriding the memory-derived count (tests, reproducible sizing)
 )
 
 
@@ -167,6 +168,8 @@ class LLMEngine:
         wanted = 2 * self.max_num_seqs * blocks_per_seq + 1  # room for every sequence at full length, plus cache
         fits = int(left // per_block) if per_block else wanted
         self.num_blocks = max(2, min(wanted, fits))
+        if args["num_kv_blocks"] is not None:
+            self.num_blocks = int(args["num_kv_blocks"]) + 1  # + the reserved padding sink
         if self.num_blocks - 1 < blocks_per_seq:
             raise ValueError(f"only {self.num_blocks - 1} KV blocks fit in memory, one sequence of max_model_len "
                              f"{self.max_model_len} needs {blocks_per_seq}: lower max_model_len or raise "
