@@ -343,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "engine", device=args.device_name or jax.devices()[0].device_kind, device_count=jax.device_count(),
         layout=args.layout, model=os.path.basename(os.path.normpath(args.config)), weights=weights,
         config=args.config, levels=out, label=args.label, scale=args.scale,
-        argv=sys.argv if argv is None else ["python", "-m", "qwen_jax.bench.engine", *argv])
+        argv=["python", "-m", "qwen_jax.bench.engine", *(sys.argv[1:] if argv is None else argv)])
     if args.results and args.results.lower() != "none":
         append_result(entry, args.results)
         print(f"appended to {args.results}")

@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         entry = make_entry(
             "gsm8k", device=args.device, device_count=args.device_count, layout=args.layout, model=args.model,
             weights=args.weights, config=None,
-            argv=sys.argv if argv is None else ["python", "-m", "qwen_jax.bench.gsm8k", *argv],
+            argv=["python", "-m", "qwen_jax.bench.gsm8k", *(sys.argv[1:] if argv is None else argv)],
             num_questions=out["num_questions"], strict_accuracy=out["strict_accuracy"],
             flexible_accuracy=out["flexible_accuracy"], errors=out["errors"])
         append_result(entry, args.results)

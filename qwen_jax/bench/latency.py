@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         entry = make_entry(
             "latency", device=args.device, device_count=args.device_count, layout=args.layout, model=args.model,
             weights=args.weights, config=None, levels=rows, label=args.label, base_url=args.base_url,
-            argv=sys.argv if argv is None else ["python", "-m", "qwen_jax.bench.latency", *argv])
+            argv=["python", "-m", "qwen_jax.bench.latency", *(sys.argv[1:] if argv is None else argv)])
         append_result(entry, args.results)
         print(f"appended to {args.results}")
     return rows

@@ -56,7 +56,8 @@ def ordinary_token_ids(tokenizer: Any) -> np.ndarray:
 def build_prompt(tokenizer: Any, length: int, rng: np.random.Generator, allowed: np.ndarray,
                  max_rounds: int = 200) -> tuple[str, list[int]]:
     """Text that tokenizes to exactly `length` ordinary tokens: decode random ids, re-encode, then cut the excess
-    or append fresh random ids, until the round trip is exact. Returns (text, its token ids)."""
+    (twice over, so a tail that re-grows when cut, like a split UTF-8 character, cannot trap the loop) or append
+    fresh random ids, until the round trip is exact. Returns (text, its token ids)."""
     if length < 1:
         raise ValueError(f"prompt length must be >= 1, got {length}")
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
@@ -67,7 +68,8 @@ def build_prompt(tokenizer: Any, length: int, rng: np.random.Generator, allowed:
         if len(encoded) == length and not special.intersection(encoded):
             return text, encoded
         encoded = [t for t in encoded if t not in special]  # random pieces may spell a special token: drop it
-        ids = encoded[:length] + rng.choice(allowed, max(0, length - len(encoded))).tolist()
+        keep = encoded[:max(0, 2 * length - len(encoded))] if len(encoded) > length else encoded
+        ids = keep + rng.choice(allowed, length - len(keep)).tolist()
     raise RuntimeError(f"no exact {length}-token prompt after {max_rounds} rounds")
 
 
@@ -372,11 +374,14 @@ async def main_async(argv: Sequence[str] | None = None) -> dict:
     spot = sum(lv["spot_check"]["correct"] for lv in run["levels"])
     total = sum(lv["spot_check"]["total"] for lv in run["levels"])
     print(f"arithmetic spot checks: {spot}/{total} correct (meaningless with random weights)")
+    checks = {k: sum(lv["verification"][k] for lv in run["levels"]) for k in run["levels"][0]["verification"]}
+    print("count checks (requests): " + ", ".join(f"{k} {v}" for k, v in checks.items()) +
+          " (re-tokenized text may differ from usage when random tokens split characters; rates use usage)")
     entry = make_entry(
         "serve", device=args.device, device_count=args.device_count, layout=args.layout, model=args.model,
         weights=args.weights, config=args.model_config, levels=run["levels"], score=run["weighted_score"],
         roofline={lv["concurrency"]: lv.get("roofline_ratio") for lv in run["levels"]} if roofline else None,
-        argv=sys.argv if argv is None else ["python", "-m", "qwen_jax.bench.serve", *argv], label=args.label,
+        argv=["python", "-m", "qwen_jax.bench.serve", *(sys.argv[1:] if argv is None else argv)], label=args.label,
         base_url=args.base_url, input_len=args.input_len, output_len=args.output_len,
         reuse_prompts=args.reuse_prompts)
     if args.results and args.results.lower() != "none":

@@ -5,7 +5,7 @@ Prompts must never contain a special or added token, and must be reproducible fr
 
 import numpy as np
 
-from qwen_jax.bench.serve import arithmetic_questions, build_prompt, build_prompts, ordinary_token_ids
+from qwen_jax.bench.serve import arithmetic_questions, build_prompt, build_prompts, load_tokenizer, ordinary_token_ids
 
 
 def test_ordinary_ids_are_the_base_vocabulary_without_added_tokens(tokenizer):
@@ -58,3 +58,14 @@ def test_arithmetic_questions_carry_their_sums():
         a, b = question.removeprefix("What is ").split("?")[0].split(" + ")
         assert int(a) + int(b) == answer
         assert question.endswith("Answer with the number only.")
+
+
+def test_exact_lengths_with_a_tiny_byte_level_vocabulary(tmp_path):
+    # 512 BPE ids, most of them byte fragments: cutting a decoded prompt can split a UTF-8 character, which
+    # re-encodes longer; the builder must still land on the exact length.
+    from qwen_jax.default_model import ensure_default_model
+
+    tiny = load_tokenizer(ensure_default_model(str(tmp_path)))
+    for length in (1, 3, 32, 200):
+        for text in build_prompts(tiny, length, 10, seed=1000 + length):
+            assert len(tiny.encode(text, add_special_tokens=False)) == length
