@@ -1,0 +1,29 @@
+"""Fixtures of the sharding tests: one tiny model of each architecture family.
+
+Tests here need 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, as scripts/test.sh sets)."""
+
+from __future__ import annotations
+
+import os
+
+# Before jax starts a backend: 8 host devices, and LLVM at -O0 (these tests check partitioning, not CPU codegen;
+# it halves their compile time).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from sharding_tiny_models import TINY_CONFIGS  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices() -> None:
+    assert jax.device_count() >= 8, "tests/sharding need XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def tiny_name(request) -> str:
+    return request.param

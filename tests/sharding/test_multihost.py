@@ -1,0 +1,62 @@
+"""Two processes x 4 CPU devices joined by jax.distributed (gloo collectives) run one TP 8 expert-parallel mesh and
+give the same logits as one process on one device."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from conftest import FAST_COMPILE
+from sharding_tiny_models import BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, step_batches, tiny_config
+
+from qwen_jax.models import decoder
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_single_process_logits(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+    outs = [tmp_path / f"host{i}.npz" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "sharding_multihost_worker.py"), str(i), str(port),
+                               str(outs[i])], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"host {i} failed:\n{logs[i][-3000:]}"
+
+    cfg = tiny_config("qwen3_5_moe")
+    params = decoder.random_params(cfg, seed=0, scale=0.05)
+    cache = decoder.init_cache(cfg, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
+    forward = jax.jit(lambda p, c, b: decoder.forward(p, c, b, cfg))
+    results = [np.load(o) for o in outs]
+    for step, batch in enumerate(step_batches(1)):
+        ref, cache = forward(params, cache, batch)
+        ref = np.asarray(ref)[:3]
+        for host, result in enumerate(results):
+            rel = np.abs(result[f"arr_{step}"][:3] - ref).max() / np.abs(ref).max()
+            assert rel <= 1e-5, f"host {host} step {step}: relative error {rel:.2e}"
+    total = sum(a.nbytes for a in jax.tree.leaves(params))
+    for result in results:  # each host holds its 4 devices' shards: about half the weights, never all of them
+        assert total / 2 <= int(result["local_bytes"]) < 0.75 * total
