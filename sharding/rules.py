@@ -155,6 +155,12 @@ def make_place(cfg: ModelConfig, mesh: Mesh) -> Callable[[tuple, np.ndarray], ja
     return place
 
 
+def num_shards(spec: P, mesh: Mesh) -> int:
+    """Into how many pieces `spec` cuts an array on `mesh` (1: replicated)."""
+    axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def bytes_per_device(tree: dict) -> dict[jax.Device, int]:
     """Bytes each device holds of a pytree of jax.Arrays (its addressable shards)."""
     totals: dict[jax.Device, int] = {}
