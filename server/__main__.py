@@ -125,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         model = ensure_default_model()
         log.info("no --model given: serving the built-in default model at %s", model)
     from qwen_jax.llm import AsyncLLM
-
     from server.app import ServerConfig, create_app
 
     engine = AsyncLLM.from_engine_args(model, **engine_args(args))
