@@ -47,7 +47,7 @@ def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
         if "shared_gate" in p:
             hidden = jax.nn.silu(linear(x, p["shared_gate"])) * linear(x, p["shared_up"])
             shared = jnp.matmul(hidden, p["shared_down"], preferred_element_type=jnp.float32)
-            scale = jax.nn.sigmoid(linear(x, p["shared_expert_gate"])).astype(jnp.float32)
+            scale = jax.nn.sigmoid(linear(x, p["shared_expert_gate"]).astype(jnp.float32))
             partials[shared_axes] = partials.get(shared_axes, 0.0) + scale * shared
         out = sum(jax.lax.psum(v, axes) if axes else v for axes, v in partials.items())
         return out.astype(x.dtype)
