@@ -1,0 +1,94 @@
+"""Why requests end: max_tokens, EOS (with ignore_eos and min_tokens), stop token ids, stop strings, abort; memory is
+returned the moment a request ends.
+
+The tiny hybrid model is rigged so that its greedy continuation of EOS_PROMPT emits EOS at step EOS_STEP.
+"""
+
+import re
+
+from qwen_jax import SamplingParams
+
+
+def test_eos_ends_generation_unless_ignored_or_too_early(engines, kit):
+    llm = engines("hybrid")
+    greedy = dict(temperature=0.0, max_tokens=6)
+    stopped, ignored, delayed = (llm.generate([kit.EOS_PROMPT], params)[0] for params in (
+        SamplingParams(**greedy), SamplingParams(**greedy, ignore_eos=True),
+        SamplingParams(**greedy, min_tokens=kit.EOS_STEP + 2)))
+    head = ignored.token_ids[:kit.EOS_STEP]
+    assert ignored.token_ids[kit.EOS_STEP] == kit.EOS
+    assert (len(ignored.token_ids), ignored.finish_reason, ignored.stop_reason) == (6, "length", None)
+
+    assert stopped.token_ids == head + [kit.EOS]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", kit.EOS)
+    assert stopped.text == llm.tokenizer.decode(head)  # the EOS token is not detokenized
+
+    # min_tokens bans every EOS id (514 and 512) until that many tokens exist; later EOS ends the request again.
+    assert delayed.token_ids[:kit.EOS_STEP] == head
+    assert not {kit.EOS, 512} & set(delayed.token_ids[:kit.EOS_STEP + 2])
+    assert len(delayed.token_ids) >= kit.EOS_STEP + 2
+    assert delayed.finish_reason == ("stop" if delayed.token_ids[-1] in (kit.EOS, 512) else "length")
+    kit.assert_idle(llm)
+
+
+def test_stop_token_ids_and_max_tokens(engines, kit):
+    llm = engines("hybrid")
+    full = llm.generate([kit.EOS_PROMPT], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    assert (len(full.token_ids), full.finish_reason) == (5, "length")
+    second = full.token_ids[1]
+    out = llm.generate([kit.EOS_PROMPT], SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[second]))[0]
+    assert out.token_ids == full.token_ids[:2]
+    assert (out.finish_reason, out.stop_reason) == ("stop", second)
+    one = llm.generate([kit.EOS_PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert (one.token_ids, one.finish_reason) == (full.token_ids[:1], "length")
+    kit.assert_idle(llm)
+
+
+def test_stop_string_cuts_text_and_generation(engines, kit):
+    llm = engines("hybrid")
+    prompt = llm.tokenizer.encode("Once upon a time, a small robot")
+    params = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = llm.generate([prompt], SamplingParams(**params))[0]
+    text = full.text
+    # Three ASCII letters from the second half of the (gibberish) text; its first occurrence is where it must cut.
+    match = re.search(r"[A-Za-z]{3}", text[len(text) // 3:])
+    assert match, f"no ASCII word in {text!r}"
+    stop = match.group()
+    cut = text.find(stop)
+    assert 0 < cut
+
+    out = llm.generate([prompt], SamplingParams(**params, stop=["never appears in gibberish", stop]))[0]
+    assert out.text == text[:cut]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    n = len(out.token_ids)
+    assert n < 16 and out.token_ids == full.token_ids[:n]
+    assert stop in llm.tokenizer.decode(full.token_ids[:n]) and stop not in llm.tokenizer.decode(full.token_ids[:n - 1])
+    kit.assert_idle(llm)
+
+
+def test_abort_frees_blocks_and_slots_at_once(engines, kit):
+    engine = engines("hybrid").engine
+    long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"abort-{i}", kit.prompt(34, seed=300 + i), long)
+    engine.add_request("abort-waiting", kit.prompt(34, seed=310), long)  # a fifth row never frees up for it
+    engine.add_request("abort-queued", kit.prompt(34, seed=311), long)
+    for _ in range(4):
+        engine.step()
+    stats = engine.stats()
+    assert (stats["num_running"], stats["num_waiting"], stats["state_slots_used"]) == (4, 1, 4)
+    assert stats["kv_blocks_used"] == 4 * 3  # 34 prompt tokens + 1 to 3 generated: 3 blocks each
+
+    out = engine.abort("abort-1")
+    assert (out.finished, out.finish_reason, out.request_id) == (True, "abort", "abort-1")
+    assert len(out.token_ids) >= 1
+    stats = engine.stats()
+    assert (stats["num_running"], stats["kv_blocks_used"], stats["state_slots_used"]) == (3, 9, 3)
+
+    queued = engine.abort("abort-queued")  # never scheduled: nothing to free, but it ends
+    assert (queued.finish_reason, queued.token_ids) == ("abort", [])
+    assert engine.abort("abort-1") is None and engine.abort("no-such-request") is None
+    for rid in ("abort-0", "abort-2", "abort-waiting"):
+        assert engine.abort(rid).finish_reason == "abort"
+    assert not engine.has_unfinished and engine.step() == []
+    kit.assert_idle(engines("hybrid"))
