@@ -155,8 +155,13 @@ def test_streaming_invocation_ends_with_done(server):
     wait_idle(server)
 
 
-def test_default_max_tokens_fills_the_context(client, tokenizer):
-    r = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0,
-                                       extra_body={"ignore_eos": True})
-    assert r.choices[0].finish_reason == "length"
-    assert r.usage.total_tokens == MAX_MODEL_LEN
+def test_default_max_tokens_is_the_room_left_in_the_context(server, tokenizer):
+    from server.app import _prepare
+    from server.protocol import parse_completion
+
+    ids = tokenizer.encode("Once upon a time")
+    _, _, jobs = _prepare(server.state, parse_completion({"prompt": ids, "n": 2, "seed": 5}))
+    assert [j.params.max_tokens for j in jobs] == [MAX_MODEL_LEN - len(ids)] * 2
+    assert [j.params.seed for j in jobs] == [5, 6]  # n > 1 fans out into distinct seeded requests
+    _, _, exact = _prepare(server.state, parse_completion({"prompt": ids, "max_tokens": MAX_MODEL_LEN - len(ids)}))
+    assert exact[0].params.max_tokens == MAX_MODEL_LEN - len(ids)

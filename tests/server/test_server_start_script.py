@@ -27,7 +27,7 @@ def test_start_script_serves_the_default_model_with_an_api_key_and_stops_gracefu
     port = free_port()
     env = script_env(tmp_path, os.path.dirname(default_model_dir))
     args = [SCRIPT, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "256", "--enable-prefix-caching",
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "512", "--enable-prefix-caching",
             "--dtype", "float32", "--seed", "0", "--api-key", "s3cret", "--served-model-name", "tiny",
             "--compilation-cache-dir", compilation_cache_dir, "--graceful-timeout", "20"]
     started = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
@@ -55,7 +55,7 @@ def test_start_script_serves_the_default_model_with_an_api_key_and_stops_gracefu
         def consume() -> None:
             req = urllib.request.Request(url + "/v1/completions", method="POST", headers={
                 **auth, "Content-Type": "application/json"}, data=json.dumps({
-                    "prompt": "long", "max_tokens": 60, "ignore_eos": True, "stream": True}).encode())
+                    "prompt": "long", "max_tokens": 40, "ignore_eos": True, "stream": True}).encode())
             with urllib.request.urlopen(req, timeout=120) as resp:
                 events.extend(e for e in resp.read().decode().split("\n\n") if e)
 

@@ -31,7 +31,7 @@ def test_rendered_prompt_has_the_empty_think_block_only_when_thinking_is_off(ser
 
 @pytest.mark.parametrize("thinking", [False, True])
 def test_reply_content_never_carries_think_tags(server, tokenizer, thinking):
-    body = {"messages": MESSAGES, "max_tokens": 24, "temperature": 1.0, "seed": 3, "ignore_eos": True, "n": 4,
+    body = {"messages": MESSAGES, "max_tokens": 20, "temperature": 1.0, "seed": 3, "ignore_eos": True, "n": 4,
             "chat_template_kwargs": {"enable_thinking": thinking}}
     code, _, data = http_json("POST", server.url + "/v1/chat/completions", body)
     assert code == 200
