@@ -254,7 +254,10 @@ class LLMEngine:
         delta = ""
         if not (is_eos and enough) and rid in self._detok:
             delta = self._detok[rid].add([token])
-        text, stop_string = self._stops[rid].feed(delta)
+        if enough:
+            text, stop_string = self._stops[rid].feed(delta)
+        else:  # as in vLLM, stop strings count only once min_tokens tokens exist
+            text, stop_string = delta, None
         self._text[rid] += text
         if stop_string is not None and enough:
             self.scheduler.finish(seq, "stop", stop_string)

@@ -92,3 +92,19 @@ def test_abort_frees_blocks_and_slots_at_once(engines, kit):
         assert engine.abort(rid).finish_reason == "abort"
     assert not engine.has_unfinished and engine.step() == []
     kit.assert_idle(engines("hybrid"))
+
+
+def test_stop_string_before_min_tokens_does_not_count(engines, kit):
+    """As in vLLM, stop strings only end a request once min_tokens tokens exist; an earlier occurrence stays in the
+    text and generation goes on."""
+    llm = engines("hybrid")
+    prompt = llm.tokenizer.encode("Once upon a time, a small robot")
+    params = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = llm.generate([prompt], SamplingParams(**params))[0]
+    once = [w for w in re.findall(r"(?=([A-Za-z]{3}))", full.text) if full.text.count(w) == 1]
+    assert once, f"no ASCII trigram occurs once in {full.text!r}"
+    cut = llm.generate([prompt], SamplingParams(**params, stop=[once[0]]))[0]
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < 16
+    out = llm.generate([prompt], SamplingParams(**params, stop=[once[0]], min_tokens=16))[0]
+    assert (out.token_ids, out.text, out.finish_reason) == (full.token_ids, full.text, "length")
+    kit.assert_idle(llm)
