@@ -157,35 +157,51 @@ def make_batch(tokens: np.ndarray, start_positions: np.ndarray, seq_lens: np.nda
     }
 
 
-def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False,
-            moe_impl: Callable = sparse_moe) -> tuple[jax.Array, dict]:
-    """Run new tokens [B, S] of B sequences through the model, reading and updating their cache entries.
-    Returns (float32 logits of each row's last real token [B, V], or of every token [B, S, V]; new cache).
-    `moe_impl` has `sparse_moe`'s signature; sharding/ swaps in an expert-parallel one chosen from the mesh."""
-    tokens = batch["tokens"]
-    batch = dict(batch, valid=jnp.arange(tokens.shape[1])[None, :] < batch["seq_lens"][:, None])
-    inv_freq = jnp.asarray(cfg.rope_inv_freq()) if cfg.attention_layers else None
-    x = params["embed"][tokens]
-    new_layers = []
-    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        if cfg.layer_types[i] == FULL_ATTENTION:
-            h, c = attention_layer(h, p["mixer"], c, batch, cfg, inv_freq)
-        else:
-            h, c = gdn_layer(h, p["mixer"], c, batch, cfg)
-        new_layers.append(c)
-        x = x + h
-        h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        flat = h.reshape(-1, h.shape[-1])
-        if cfg.is_moe_layer(i):
-            flat = moe_impl(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        else:
-            flat = swiglu_mlp(flat, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"])
-        x = x + flat.reshape(h.shape)
+def prepare_batch(batch: dict) -> dict:
+    """Add the [B, S] mask of real (non-padding) tokens that every layer reads."""
+    seq = batch["tokens"].shape[1]
+    return dict(batch, valid=jnp.arange(seq)[None, :] < batch["seq_lens"][:, None])
+
+
+def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig, index: int,
+                  moe_impl: Callable = sparse_moe) -> tuple[jax.Array, dict]:
+    """Layer `index`: token mixer (attention or Gated DeltaNet) and MLP/MoE, each pre-normed with a residual.
+    x: [B, S, H]; `batch` comes from prepare_batch. Returns (x, the layer's updated cache)."""
+    h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    if cfg.layer_types[index] == FULL_ATTENTION:
+        h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()))
+    else:
+        h, c = gdn_layer(h, p["mixer"], c, batch, cfg)
+    x = x + h
+    h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    flat = h.reshape(-1, h.shape[-1])
+    if cfg.is_moe_layer(index):
+        flat = moe_impl(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    else:
+        flat = swiglu_mlp(flat, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"])
+    return x + flat.reshape(h.shape), c
+
+
+def logits_head(x: jax.Array, params: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False) -> jax.Array:
+    """Final norm and LM head: float32 logits of each row's last real token [B, V] (or of every token)."""
     if not all_logits:
         last = jnp.maximum(batch["seq_lens"] - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.matmul(x, head, preferred_element_type=F32)
-    return logits, {"layers": new_layers}
+    return jnp.matmul(x, head, preferred_element_type=F32)
+
+
+def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False,
+            moe_impl: Callable = sparse_moe) -> tuple[jax.Array, dict]:
+    """Run new tokens [B, S] of B sequences through the model, reading and updating their cache entries.
+    Returns (float32 logits of each row's last real token [B, V], or of every token [B, S, V]; new cache).
+    `moe_impl` has `sparse_moe`'s signature; sharding/ swaps in an expert-parallel one chosen from the mesh.
+    (The engine runs the same three pieces as separately compiled programs: see engine/runner.py.)"""
+    batch = prepare_batch(batch)
+    x = params["embed"][batch["tokens"]]
+    new_layers = []
+    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
+        x, c = decoder_layer(x, p, c, batch, cfg, i, moe_impl)
+        new_layers.append(c)
+    return logits_head(x, params, batch, cfg, all_logits), {"layers": new_layers}
