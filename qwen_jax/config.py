@@ -111,7 +111,7 @@ class ModelConfig:
 
         return jnp.dtype(self.dtype)
 
-    def with_dtype(self, dtype: str) -> "ModelConfig":
+    def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=_normalize_dtype(dtype))
 
     def rope_inv_freq(self) -> np.ndarray:
