@@ -16,7 +16,7 @@ import numpy as np
 
 from qwen_jax.bench.roofline import H200_TBPS, decode_bytes
 from qwen_jax.config import load_config
-from qwen_jax.engine.runner import _step
+from qwen_jax.engine.runner import run_step
 from qwen_jax.engine.sampler import SamplingTensors
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.gated_deltanet import gdn_layer
@@ -67,7 +67,7 @@ def main() -> None:
         state = {"cache": cache}
 
         def step(batch=batch, tensors=tensors, state=state):
-            out, state["cache"] = _step(params, state["cache"], batch, tensors, cfg=cfg, num_top_logprobs=0)
+            out, state["cache"] = run_step(params, state["cache"], batch, tensors, cfg, 0)
             return out.tokens
 
         first, median = _time(step)
