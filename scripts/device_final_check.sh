@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One H200 call that measures what the issues ask of a single GPU, each part under its own time limit:
+# kernel benchmark, decode step profile vs roofline, engine-skeleton traces (scaled), and the server with a serving
+# benchmark at several concurrencies. Everything lands under $OUT (RESULTS.json entries included).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
+export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0
+PARTS=" ${PARTS:-kernels step_profile traces server} "
+part() { [[ "$PARTS" == *" $1 "* ]] || return 1; echo "== $1 ($(date +%T))"; }
+
+if part kernels; then
+  timeout "${T_KERNELS:-90}" python3 -m pallas_kernels.bench > "$OUT/kernels.txt" 2>&1; tail -15 "$OUT/kernels.txt"
+fi
+
+if part step_profile; then
+  timeout "${T_STEP:-150}" python3 -m qwen_jax.bench.step_profile --config "$MODEL/config.json" --batches 1,16,64 \
+    --context 1024 2>&1 | grep '^{' > "$OUT/step_profile.jsonl"; cat "$OUT/step_profile.jsonl"
+fi
+
+if part traces; then
+timeout "${T_TRACES:-150}" python3 -m qwen_jax.bench.engine --config "$MODEL/config.json" --device cuda --mode traces \
+  --scale --warmup 1 --repeats 2 --results "$OUT/RESULTS.json" --device-name H200 --layout TP=1 \
+  > "$OUT/traces.txt" 2>&1; grep -v "^W1\|^I1" "$OUT/traces.txt" | tail -12
+fi
+
+part server || exit 0
+export QWEN_JAX_LOG="$OUT/server.log"
+URL=http://127.0.0.1:8000
+t0=$(date +%s)
+./start.sh --model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000 \
+  --compilation-cache-dir /tmp/qwen_jax_cc > "$OUT/start.txt" 2>&1 || tail -30 "$OUT/server.log"
+echo "cold_start_s $(( $(date +%s) - t0 ))"
+for level in "1 4" "16 16" "64 64"; do
+  set -- $level
+  timeout "${T_LEVEL:-120}" python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" \
+    --concurrency "$1" --num-requests "$2" --input-len 1024 --output-len "${OUTLEN:-128}" \
+    --results "$OUT/RESULTS.json" --device H200 --device-count 1 --layout TP=1 --weights random \
+    --model-config "$MODEL/config.json" --no-progress >> "$OUT/serve_bench.txt" 2>&1
+done
+grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
+curl -s "$URL/metrics" > "$OUT/metrics.txt"
+./start.sh --stop
