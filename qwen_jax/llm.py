@@ -11,7 +11,16 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 
-from qwen_jax.engine.llm_engine import ENGINE_ARGS, LLMEngine, load_tokenizer, resolve_model
+from qwen_jax.config import ModelConfig
+from qwen_jax.engine.llm_engine import (
+    ENGINE_ARGS,
+    LLMEngine,
+    eos_ids,
+    load_tokenizer,
+    read_model_config,
+    resolve_max_model_len,
+    resolve_model,
+)
 from qwen_jax.outputs import RequestOutput
 from qwen_jax.sampling_params import SamplingParams
 
@@ -77,6 +86,10 @@ class AsyncLLM:
         self.model_path = model_path
         self.engine_args = engine_args
         self.tokenizer = load_tokenizer(model_path)
+        # Known before start() (the server validates requests with them): the engine computes the same values.
+        self._config = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]))
+        self._max_model_len = resolve_max_model_len(self._config, engine_args.get("max_model_len"))
+        self._eos_token_ids = eos_ids(model_path, self._config, self.tokenizer)
         self.model_name = model_path.rstrip("/").split("/")[-1]
         self.engine: LLMEngine | None = None
         self._commands: queue.Queue = queue.Queue()
@@ -95,18 +108,17 @@ class AsyncLLM:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         return cls(resolve_model(model), engine_args)
 
-    # Known once started.
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.engine.max_model_len if self.engine else self._max_model_len
 
     @property
     def eos_token_ids(self) -> list[int]:
-        return self.engine.eos_token_ids
+        return self.engine.eos_token_ids if self.engine else self._eos_token_ids
 
     @property
-    def config(self):
-        return self.engine.cfg
+    def config(self) -> ModelConfig:
+        return self.engine.cfg if self.engine else self._config
 
     async def start(self) -> None:
         """Load the model and compile the common step shapes off the event loop, then start the engine thread."""

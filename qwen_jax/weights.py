@@ -152,7 +152,8 @@ def read_llama2c(path: str) -> tuple[dict, dict]:
     for i in range(layers):
         p = f"layers.{i}."
         state.update({
-            p + "input_layernorm.weight": arrays["attn_norm"][i], p + "post_attention_layernorm.weight": arrays["ffn_norm"][i],
+            p + "input_layernorm.weight": arrays["attn_norm"][i],
+            p + "post_attention_layernorm.weight": arrays["ffn_norm"][i],
             p + "self_attn.q_proj.weight": arrays["wq"][i], p + "self_attn.k_proj.weight": arrays["wk"][i],
             p + "self_attn.v_proj.weight": arrays["wv"][i], p + "self_attn.o_proj.weight": arrays["wo"][i],
             p + "mlp.gate_proj.weight": arrays["w1"][i], p + "mlp.down_proj.weight": arrays["w2"][i],
@@ -205,8 +206,9 @@ def weight_plan(cfg: ModelConfig, names: set[str]) -> Plan:
         if kind == FULL_ATTENTION:
             a = p + "self_attn."
             if cfg.attn_output_gate:  # q_proj rows are [head][query d | gate d]
-                plan.append((m + ("q",), [a + "q_proj.weight"], lambda w: w.reshape(n, 2, d, -1)[:, 0].transpose(2, 0, 1)))
-                plan.append((m + ("gate",), [a + "q_proj.weight"], lambda w: w.reshape(n, 2, d, -1)[:, 1].transpose(2, 0, 1)))
+                for name, half in (("q", 0), ("gate", 1)):
+                    plan.append((m + (name,), [a + "q_proj.weight"],
+                                 lambda w, half=half: w.reshape(n, 2, d, -1)[:, half].transpose(2, 0, 1)))
             else:
                 plan.append((m + ("q",), [a + "q_proj.weight"], _heads_in(n, d)))
             plan += [(m + ("k",), [a + "k_proj.weight"], _heads_in(kv, d)),
@@ -339,6 +341,9 @@ def open_checkpoint(path: str) -> tuple[dict, TensorSource]:
     return config, SafetensorsSource(path)
 
 
-def dummy_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """`--load-format dummy`: random weights with the real shapes, made on the devices."""
-    return random_params(cfg, seed)
+def dummy_params(cfg: ModelConfig, seed: int = 0, shardings: dict | None = None) -> dict:
+    """`--load-format dummy`: random weights with the real shapes, made on the devices; with `shardings` (a pytree
+    like param_shapes) each device draws only its own shards (no full copy of the weights on any device)."""
+    if shardings is None:
+        return random_params(cfg, seed)
+    return jax.jit(lambda: random_params(cfg, seed), out_shardings=shardings)()

@@ -127,6 +127,22 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: i
                                                                             num_slots))
 
 
+def constrain_cache_layer(cfg: ModelConfig, mesh: Mesh, index: int, layer: dict) -> dict:
+    """Inside a jitted program: pin layer `index`'s cache entries (KV pages or GDN state, any number of pages or
+    slots, e.g. prefix-cache snapshots) to their rules' shardings, so a donated cache comes back in its own shards."""
+    return {name: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, logical_to_spec(
+        cache_logical_axes(cfg, ("layers", index, name)), v.shape, mesh))) for name, v in layer.items()}
+
+
+def cache_bytes_per_device(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> int:
+    """Bytes of a cache of this geometry on each device (the largest shard of every leaf; replicated leaves whole)."""
+    shapes = decoder.cache_shapes(cfg, num_blocks, block_size, num_slots)
+    specs = cache_specs(cfg, mesh, num_blocks, block_size, num_slots)
+    return sum(-(-s.size // num_shards(spec, mesh)) * s.dtype.itemsize
+               for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+                                  strict=True))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch entries and logits have the batch rows first: rows split over data (replica r gets the r-th contiguous
     block, whose block tables and state slots index that replica's own cache shard), whole over the model axes

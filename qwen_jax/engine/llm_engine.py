@@ -12,8 +12,10 @@ import os
 import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
-from qwen_jax.config import FULL_ATTENTION, ModelConfig, from_hf_dict
+from qwen_jax.config import ModelConfig, from_hf_dict
 from qwen_jax.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache
@@ -21,10 +23,10 @@ from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.sampler import TokenHistory
 from qwen_jax.engine.scheduler import Scheduler
 from qwen_jax.engine.sequence import Sequence
-from qwen_jax.models.decoder import cache_shapes
 from qwen_jax.outputs import RequestOutput, TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 from qwen_jax.weights import dummy_params, load_params, open_checkpoint
+from sharding import distributed, mesh, rules
 
 log = logging.getLogger("qwen_jax")
 
@@ -64,6 +66,18 @@ def _read_config(model_path: str) -> dict:
         return json.load(f)
 
 
+def read_model_config(model_path: str, dtype: str = "auto") -> ModelConfig:
+    """The config the engine serves: a model directory's config.json (or a llama2.c header), in `dtype`."""
+    config_dict = _read_config(model_path) if os.path.isdir(model_path) else open_checkpoint(model_path)[0]
+    cfg = from_hf_dict(config_dict)
+    return cfg if dtype == "auto" else cfg.with_dtype(dtype)
+
+
+def resolve_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """The engine argument, or the model's max_position_embeddings capped at 8192."""
+    return int(max_model_len or min(cfg.max_position_embeddings, 8192))
+
+
 def load_tokenizer(model_path: str):
     """The HF tokenizer of a model directory, or None when it ships none (then only token ids are served)."""
     if os.path.isdir(model_path) and any(os.path.exists(os.path.join(model_path, f))
@@ -92,29 +106,28 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         args = {**ENGINE_ARGS, **engine_args}
-        if args["tensor_parallel_size"] * args["data_parallel_size"] != 1 or args["enable_expert_parallel"]:
-            raise NotImplementedError("multi-device layouts are not wired into the engine yet (see sharding/)")
+        if int(args["data_parallel_size"]) != 1:
+            raise NotImplementedError("data_parallel_size > 1 is not wired into the engine yet: it needs per-replica "
+                                      "block/slot pools and batch rows in the scheduler and runner (sharding/ has "
+                                      "the layout); use tensor_parallel_size and enable_expert_parallel")
+        if args["load_format"] not in ("auto", "dummy"):
+            raise ValueError(f"unknown load_format {args['load_format']!r} (auto or dummy)")
         self.model_path = resolve_model(model)
-        if args["load_format"] == "dummy":  # only config.json is needed (no weights on disk)
-            config_dict, source = _read_config(self.model_path), None
-        else:
-            config_dict, source = open_checkpoint(self.model_path)
-        cfg = from_hf_dict(config_dict)
-        if args["dtype"] != "auto":
-            cfg = cfg.with_dtype(args["dtype"])
-        self.cfg = cfg
+        distributed.initialize()  # multi-host: join the other processes (a no-op on one host)
+        # Weights, cache and batches are laid out over this mesh by sharding/rules.py; one device is a 1x1x1 mesh.
+        self.mesh = mesh.make_mesh(int(args["tensor_parallel_size"]), 1, bool(args["enable_expert_parallel"]))
+        cfg = self.cfg = read_model_config(self.model_path, args["dtype"])
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_ids(self.model_path, cfg, self.tokenizer)
-        self.max_model_len = int(args["max_model_len"] or min(cfg.max_position_embeddings, 8192))
+        self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
         self.max_num_seqs = int(args["max_num_seqs"])
         self.max_num_batched_tokens = int(args["max_num_batched_tokens"])
         t0 = time.perf_counter()
-        if args["load_format"] == "dummy":
-            params = dummy_params(cfg, seed=args["seed"])
-        elif args["load_format"] == "auto":
-            params = load_params(cfg, source, progress=os.environ.get("QWEN_JAX_PROGRESS", "1") == "1")
-        else:
-            raise ValueError(f"unknown load_format {args['load_format']!r} (auto or dummy)")
+        if args["load_format"] == "dummy":  # only config.json is needed (no weights on disk)
+            params = dummy_params(cfg, seed=args["seed"], shardings=rules.param_shardings(cfg, self.mesh))
+        else:  # each tensor goes straight into its shards
+            params = load_params(cfg, open_checkpoint(self.model_path)[1], place=rules.make_place(cfg, self.mesh),
+                                 progress=os.environ.get("QWEN_JAX_PROGRESS", "1") == "1")
         jax.block_until_ready(params)
         self.load_seconds = time.perf_counter() - t0
         self._size_memory(args, params)
@@ -127,7 +140,7 @@ class LLMEngine:
         vocab = cfg.vocab_size
         self.runner = ModelRunner(cfg, params, self.num_blocks, block_size, self.max_num_seqs + 1,
                                   self.num_snapshots if prefix else 0, self.max_num_seqs, self.max_model_len, vocab,
-                                  self.eos_token_ids, seed=args["seed"])
+                                  self.eos_token_ids, seed=args["seed"], mesh=self.mesh)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stops: dict[str, StopChecker] = {}
@@ -137,26 +150,28 @@ class LLMEngine:
         self._sent: dict[str, tuple[int, int]] = {}  # request -> (tokens, characters) already reported
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("loaded %s in %.1fs; KV cache %d blocks x %d tokens (%d tokens), %d sequences at once, "
-                 "%d state snapshots", self.model_path, self.load_seconds, self.num_blocks - 1, block_size,
+        log.info("loaded %s in %.1fs on %s; KV cache %d blocks x %d tokens (%d tokens), %d sequences at once, "
+                 "%d state snapshots", self.model_path, self.load_seconds, mesh.describe(self.mesh),
+                 self.num_blocks - 1, block_size,
                  (self.num_blocks - 1) * block_size, self.max_num_seqs, self.num_snapshots)
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
     def _size_memory(self, args: dict, params: dict) -> None:
+        """Cache sizes from the tightest device of the mesh: its free memory and its shard of a block / slot."""
         cfg = self.cfg
         block_size = int(args["block_size"])
-        per_block = sum(x.size * x.dtype.itemsize for x, kind in
-                        zip(cache_shapes(cfg, 1, block_size, 0)["layers"], cfg.layer_types)
-                        if kind == FULL_ATTENTION for x in x.values())
-        per_slot = sum(v.size * v.dtype.itemsize for layer, kind in
-                       zip(cache_shapes(cfg, 0, block_size, 1)["layers"], cfg.layer_types)
-                       if kind != FULL_ATTENTION for v in layer.values())
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            reserve = 0.05 * stats["bytes_limit"]  # activations and compiled programs
-            budget = stats["bytes_limit"] * float(args["gpu_memory_utilization"]) - stats["bytes_in_use"] - reserve
+        per_block = rules.cache_bytes_per_device(cfg, self.mesh, 1, block_size, 0)  # KV pages of every layer
+        per_slot = rules.cache_bytes_per_device(cfg, self.mesh, 0, block_size, 1)  # GDN state of every layer
+        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        stats = [d.memory_stats() or {} for d in local]
+        if all("bytes_limit" in s for s in stats):
+            # 5% of each device held back for activations and compiled programs
+            budget = min(s["bytes_limit"] * (float(args["gpu_memory_utilization"]) - 0.05) - s["bytes_in_use"]
+                         for s in stats)
         else:
             budget = float(args["cpu_cache_budget_gib"]) * 2**30
+        if jax.process_count() > 1:  # every host must build the same cache shapes
+            budget = float(np.min(multihost_utils.process_allgather(np.float64(budget))))
         blocks_per_seq = -(-self.max_model_len // block_size)
         state_bytes = (self.max_num_seqs + 1) * per_slot
         snapshots = args["num_snapshots"]

@@ -1,8 +1,9 @@
 """ModelRunner: turns a StepPlan into padded device batches, runs the jitted forward + sampler with the cache
 donated, and moves recurrent-state snapshots for the prefix cache.
 
-Owns the device arrays (params, cache, snapshots). Shapes are bucketed to powers of two so that steady serving
-reuses a few compiled programs; it never decides who runs (the scheduler does).
+Owns the device arrays (params, cache, snapshots), laid out over a device mesh by sharding/ (one device is a
+1x1x1 mesh). Shapes are bucketed to powers of two so that steady serving reuses a few compiled programs; it never
+decides who runs (the scheduler does).
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, sample
 from qwen_jax.engine.scheduler import Row
-from qwen_jax.models.decoder import cache_shapes, decoder_layer, logits_head, prepare_batch
+from qwen_jax.models.decoder import decoder_layer, logits_head, prepare_batch
 from qwen_jax.sampling_params import SamplingParams
+from sharding import rules, step
+from sharding.mesh import make_mesh
+from sharding.moe import moe_impl_for
 
 # Every step with a row asking for logprobs computes the API maximum of top-n (one compiled width, not 21).
 TOP_LOGPROBS_WIDTH = SamplingParams.MAX_LOGPROBS
@@ -31,14 +35,18 @@ def bucket(n: int, minimum: int = 1) -> int:
 # Layers of the same kind share one compiled program per shape bucket, so compile time does not grow with depth
 # (40 layers compiled as one program took 27 s on an H200; one layer about 0.6 s). Dispatch is asynchronous, so the
 # per-layer launches overlap the device work of the layers before them.
-@jax.jit
-def _embed(embed, batch):
-    return embed[batch["tokens"]]
+# Sharded: params and cache arrive committed to their rules' shardings (inputs follow them), the MoE is the mesh's
+# expert-parallel one, and outputs are pinned (activations whole on every device, cache in its own shards).
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _embed(embed, batch, mesh):
+    return jax.lax.with_sharding_constraint(embed[batch["tokens"]], rules.batch_sharding(mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "index"), donate_argnums=(2,))
-def _layer(x, p, c, batch, cfg, index):
-    return decoder_layer(x, p, c, batch, cfg, index)
+@functools.partial(jax.jit, static_argnames=("cfg", "index", "mesh"), donate_argnums=(2,))
+def _layer(x, p, c, batch, cfg, index, mesh):
+    x, c = decoder_layer(x, p, c, batch, cfg, index, moe_impl_for(cfg, mesh))
+    return (jax.lax.with_sharding_constraint(x, rules.batch_sharding(mesh)),
+            rules.constrain_cache_layer(cfg, mesh, index, c))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_top_logprobs"))
@@ -47,13 +55,13 @@ def _head_sample(x, head_params, batch, tensors, cfg, num_top_logprobs):
 
 
 def run_step(params: dict, cache: dict, batch: dict, tensors: SamplingTensors, cfg: ModelConfig,
-             num_top_logprobs: int) -> tuple[SampleOutput, dict]:
-    """forward + sample for one padded batch; the cache's per-layer buffers are donated layer by layer."""
-    batch = jax.device_put(prepare_batch(batch))
-    x = _embed(params["embed"], batch)
+             num_top_logprobs: int, mesh: Mesh) -> tuple[SampleOutput, dict]:
+    """forward + sample for one padded host batch; the cache's per-layer buffers are donated layer by layer."""
+    batch = prepare_batch(jax.device_put(batch, rules.batch_sharding(mesh)))
+    x = _embed(params["embed"], batch, mesh=mesh)
     layers = []
     for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
-        x, c = _layer(x, p, c, batch, cfg=cfg, index=_layer_index(cfg, i))
+        x, c = _layer(x, p, c, batch, cfg=cfg, index=_layer_index(cfg, i), mesh=mesh)
         layers.append(c)
     head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
     return _head_sample(x, head, batch, tensors, cfg=cfg, num_top_logprobs=num_top_logprobs), {"layers": layers}
@@ -69,42 +77,46 @@ def _gdn_layers(tree: dict, cfg: ModelConfig) -> list[dict]:
     return [c for c, kind in zip(tree["layers"], cfg.layer_types) if kind != FULL_ATTENTION]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
-def _restore_snapshots(cache, snapshots, src, dst, cfg):
+def _gdn_indices(cfg: ModelConfig) -> list[int]:
+    return [i for i, kind in enumerate(cfg.layer_types) if kind != FULL_ATTENTION]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnums=(0,))
+def _restore_snapshots(cache, snapshots, src, dst, cfg, mesh):
     """cache slots[dst] <- snapshots[src] for every recurrent layer (padding pairs write slot 0, the sink)."""
     layers = list(cache["layers"])
-    gdn = [i for i, kind in enumerate(cfg.layer_types) if kind != FULL_ATTENTION]
-    for i, snap in zip(gdn, snapshots):
-        layers[i] = {k: v.at[dst].set(snap[k][src]) for k, v in layers[i].items()}
+    for i, snap in zip(_gdn_indices(cfg), snapshots):
+        layers[i] = rules.constrain_cache_layer(
+            cfg, mesh, i, {k: v.at[dst].set(snap[k][src]) for k, v in layers[i].items()})
     return {"layers": layers}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(1,))
-def _save_snapshots(cache, snapshots, src, dst, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnums=(1,))
+def _save_snapshots(cache, snapshots, src, dst, cfg, mesh):
     """snapshots[dst] <- cache slots[src] (padding pairs write snapshot 0, the sink)."""
-    return [{k: v.at[dst].set(layer[k][src]) for k, v in snap.items()}
-            for snap, layer in zip(snapshots, _gdn_layers(cache, cfg))]
+    return [rules.constrain_cache_layer(cfg, mesh, i, {k: v.at[dst].set(cache["layers"][i][k][src])
+                                                       for k, v in snap.items()})
+            for i, snap in zip(_gdn_indices(cfg), snapshots)]
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, num_blocks: int, block_size: int, num_slots: int,
                  num_snapshots: int, max_num_seqs: int, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int], seed: int = 0, place_cache=None):
+                 eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None):
+        """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules."""
         self.cfg = cfg
         self.params = params
+        self.mesh = mesh if mesh is not None else make_mesh(1)
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.step_seed = seed * 1_000_003
-        shapes = cache_shapes(cfg, num_blocks, block_size, num_slots)
-        zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
-        self.cache = place_cache(shapes) if place_cache else jax.tree.map(zeros, shapes)
+        self.cache = step.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots)
         self.snapshots = None
-        if num_snapshots and cfg.is_hybrid:
-            snap_shapes = cache_shapes(cfg, 1, block_size, num_snapshots + 1)  # + the sink at 0
-            self.snapshots = jax.tree.map(zeros, _gdn_layers(snap_shapes, cfg))
+        if num_snapshots and cfg.is_hybrid:  # GDN state only (+ the sink at 0), split over heads like the cache
+            self.snapshots = _gdn_layers(step.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1), cfg)
 
     # ---- batches -------------------------------------------------------------------------------------------
     def _table_width(self, rows: list[Row]) -> int:
@@ -133,7 +145,7 @@ class ModelRunner:
         return SamplingTensors.build(
             [r.seq.params for r in rows], [len(r.seq.output_token_ids) for r in rows],
             [histories.get(r.seq.request_id) for r in rows], vocab_size=self.vocab_size, batch_size=batch_size,
-            eos_token_ids=self.eos_token_ids, step_seed=self.step_seed)
+            eos_token_ids=self.eos_token_ids, step_seed=self.step_seed, sharding=rules.batch_sharding(self.mesh))
 
     # ---- execution -------------------------------------------------------------------------------------------
     def run(self, decode: list[Row], prefill: list[Row], histories: dict, max_batched_tokens: int
@@ -156,7 +168,7 @@ class ModelRunner:
             tensors = self._sampling(rows, batch_size, histories)
             top = max((r.seq.params.logprobs or 0) for r in rows)
             num_top = 0 if top == 0 else TOP_LOGPROBS_WIDTH
-            out, self.cache = run_step(self.params, self.cache, batch, tensors, self.cfg, num_top)
+            out, self.cache = run_step(self.params, self.cache, batch, tensors, self.cfg, num_top, self.mesh)
             pending.append((rows, out))
         self._save([r for r in decode + prefill if r.save_snapshot is not None])
         for rows, out in pending:
@@ -174,12 +186,17 @@ class ModelRunner:
                 src[i], dst[i] = r.seq.slot, r.save_snapshot
         return src, dst
 
+    def _put(self, *arrays: np.ndarray) -> list[jax.Array]:
+        return jax.device_put(list(arrays), rules.batch_sharding(self.mesh))
+
     def _restore(self, rows: list[Row]) -> None:
         if rows and self.snapshots is not None:
             src, dst = self._pairs(rows, "restore")
-            self.cache = _restore_snapshots(self.cache, self.snapshots, src, dst, cfg=self.cfg)
+            self.cache = _restore_snapshots(self.cache, self.snapshots, *self._put(src, dst), cfg=self.cfg,
+                                            mesh=self.mesh)
 
     def _save(self, rows: list[Row]) -> None:
         if rows and self.snapshots is not None:
             src, dst = self._pairs(rows, "save")
-            self.snapshots = _save_snapshots(self.cache, self.snapshots, src, dst, cfg=self.cfg)
+            self.snapshots = _save_snapshots(self.cache, self.snapshots, *self._put(src, dst), cfg=self.cfg,
+                                             mesh=self.mesh)

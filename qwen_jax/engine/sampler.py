@@ -95,12 +95,14 @@ class SamplingTensors(NamedTuple):
         batch_size: int,
         eos_token_ids: Sequence[int] = (),
         step_seed: int = 0,
+        sharding: jax.sharding.Sharding | None = None,
     ) -> SamplingTensors:
         """Host-side assembly for one step.
 
         num_generated[i]: output tokens row i already has (its seed counter and its min_tokens clock).
         histories[i]: row i's TokenHistory; may be None when the row uses no penalty.
         step_seed: an engine counter that changes every step; unseeded row r draws with key (step_seed, r).
+        sharding: where the arrays go (default: the default device); the runner gives its mesh's batch sharding.
         A seeded row draws with key (seed, num_generated), so its tokens do not depend on the rest of the batch.
         """
         n = len(params_list)
@@ -148,7 +150,7 @@ class SamplingTensors(NamedTuple):
             banned_ids[i, : len(ids)] = ids
         arrays = (temperature, top_k, top_p, min_p, rep, presence, frequency, rng, history_ids, history_counts,
                   banned_ids)
-        return cls(*jax.device_put(arrays))  # one batched host-to-device transfer
+        return cls(*jax.device_put(arrays, sharding))  # one batched host-to-device transfer
 
 
 class SampleOutput(NamedTuple):
