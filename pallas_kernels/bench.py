@@ -1,0 +1,186 @@
+"""GPU benchmark of the Pallas kernels against their jnp references (`python -m pallas_kernels.bench`): time, achieved
+bandwidth and on-device error per shape, as a markdown table. Never writes files and never touches the model.
+
+Exit status: 0 when every kernel configuration lowered, ran and matched its reference; 1 otherwise (the reference
+timings are printed either way); 2 when there is no GPU and --small was not given.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gdn_decode import gdn_decode, reference
+
+PEAK_TBS = 4.3  # H200 HBM3e
+# A real indexing or gating bug shows as an error of order 1; float32 rounding as ~1e-6. The slack between: beta is
+# rounded to bf16 (as HF does), and one ulp of difference in the GPU's sigmoid can flip that rounding for a head.
+MAX_REL_ERR = 1e-3
+CONFIGS = [(32, 4), (16, 2), (64, 4), (8, 1)]  # (block_v, num_warps); the first is gdn_decode's default
+FULL = dict(batches=(1, 16, 64), nk=16, nv=32, dk=128, dv=128, repeats=50, inner=10)  # Qwen3.5-35B-A3B
+SMALL = dict(batches=(1, 3), nk=2, nv=4, dk=16, dv=16, repeats=3, inner=2)  # CPU interpret-mode smoke test
+
+
+@dataclass
+class Row:
+    batch: int
+    impl: str
+    config: str
+    queued_us: float = float("nan")  # median over `repeats` of (inner back-to-back calls, then block) / inner
+    blocked_us: float = float("nan")  # median over `repeats` single calls, each blocked on (dispatch included)
+    tbs: float = float("nan")
+    err_o: float = float("nan")
+    err_state: float = float("nan")
+    note: str = ""
+
+
+def make_inputs(batch: int, nk: int, nv: int, dk: int, dv: int) -> tuple[dict, jax.Array]:
+    """bf16 activations as the model feeds them; slots 1..batch in a shuffled order (slot 0 is never addressed)."""
+    keys = jax.random.split(jax.random.key(batch), 8)
+    normal = lambda i, shape, scale=1.0: (scale * jax.random.normal(keys[i], shape)).astype(jnp.bfloat16)
+    inputs = dict(q=normal(0, (batch, nk, dk), 2.0), k=normal(1, (batch, nk, dk), 2.0), v=normal(2, (batch, nv, dv)),
+                  a=normal(3, (batch, nv), 2.0), b=normal(4, (batch, nv), 2.0),
+                  A_log=jax.random.normal(keys[5], (nv,)) * 0.7, dt_bias=jax.random.normal(keys[6], (nv,)),
+                  state_slots=jnp.asarray(np.random.default_rng(batch).permutation(batch) + 1, jnp.int32))
+    state = jax.random.normal(keys[7], (batch + 1, nv, dk, dv), jnp.float32) * 0.1
+    return inputs, state
+
+
+def bytes_moved(batch: int, nk: int, nv: int, dk: int, dv: int) -> int:
+    state = 2 * batch * nv * dk * dv * 4  # read + write of the addressed float32 state rows
+    activations = (2 * batch * nk * dk + batch * nv * dv + 2 * batch * nv) * 2  # bf16 q, k, v, a, b
+    return state + activations + batch * nv * dv * 4 + batch * 4  # + float32 o + int32 slots
+
+
+def time_step(step: Callable, inputs: dict, state: jax.Array, repeats: int, inner: int) -> tuple[float, float]:
+    """(queued, blocked) median microseconds per call; two donated state buffers take turns."""
+    states = [state, jnp.copy(state)]
+    for i in range(3):
+        _, states[i % 2] = step(states[i % 2], inputs)
+    jax.block_until_ready(states)
+    blocked = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        _, states[i % 2] = step(states[i % 2], inputs)
+        states[i % 2].block_until_ready()
+        blocked.append(time.perf_counter() - t0)
+    queued = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(inner):
+            _, states[i % 2] = step(states[i % 2], inputs)
+        jax.block_until_ready(states)
+        queued.append((time.perf_counter() - t0) / inner)
+    return statistics.median(queued) * 1e6, statistics.median(blocked) * 1e6
+
+
+def rel_err(x: jax.Array, y: jax.Array) -> float:
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
+
+
+def reference_on_cpu(inputs: dict, state: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 reference computed on the host CPU: no TF32 or GPU reduction order in what the kernel is held to."""
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu: the accelerator at full float32 precision instead
+        with jax.default_matmul_precision("highest"):
+            out, new_state = jax.jit(reference)(**inputs, state=state)
+    else:
+        out, new_state = jax.jit(reference)(**jax.device_put(inputs, cpu), state=jax.device_put(state, cpu))
+    return np.asarray(out), np.asarray(new_state)
+
+
+def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline: float, failures: list) -> list[Row]:
+    nk, nv, dk, dv = dims["nk"], dims["nv"], dims["dk"], dims["dv"]
+    repeats, inner = dims["repeats"], dims["inner"]
+    inputs, state = make_inputs(batch, nk, nv, dk, dv)
+    moved = bytes_moved(batch, nk, nv, dk, dv)
+    want_o, want_state = reference_on_cpu(inputs, state)
+    slots = np.asarray(inputs["state_slots"])
+    rows = []
+
+    ref_step = jax.jit(lambda s, x: reference(**x, state=s), donate_argnums=0)
+    row = Row(batch, "jnp reference (XLA)", "-")
+    row.queued_us, row.blocked_us = time_step(ref_step, inputs, jnp.copy(state), repeats, inner)
+    row.tbs = moved / row.queued_us / 1e6
+    rows.append(row)
+    print(f"B={batch} reference: {row.queued_us:.1f} us/call queued, {row.blocked_us:.1f} us blocked", flush=True)
+
+    for block_v, num_warps in configs:
+        row = Row(batch, "pallas gdn_decode", f"BV={block_v} warps={num_warps}")
+        rows.append(row)
+        if time.perf_counter() > deadline:
+            row.note = "skipped: time budget"
+            continue
+        step = jax.jit(lambda s, x, bv=block_v, nw=num_warps: gdn_decode(**x, state=s, block_v=bv, num_warps=nw,
+                                                                         interpret=interpret), donate_argnums=0)
+        try:
+            got_o, got_state = step(jnp.copy(state), inputs)
+            row.err_o = rel_err(got_o, want_o)
+            row.err_state = rel_err(got_state[slots], want_state[slots])
+            if not np.array_equal(np.asarray(got_state[0]), np.asarray(state[0])):
+                row.note = "slot 0 (not addressed) changed"
+            elif not (row.err_o < MAX_REL_ERR and row.err_state < MAX_REL_ERR):
+                row.note = f"rel err above {MAX_REL_ERR:g}"
+            row.queued_us, row.blocked_us = time_step(step, inputs, jnp.copy(state), repeats, inner)
+            row.tbs = moved / row.queued_us / 1e6
+        except Exception as e:  # a lowering or compile error: report it and keep going
+            row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            print(f"B={batch} {row.config}: kernel failed\n" + "".join(traceback.format_exc(limit=8))[-4000:],
+                  file=sys.stderr, flush=True)
+        if row.note:
+            failures.append(f"B={batch} {row.config}: {row.note}")
+        print(f"B={batch} {row.config}: {row.queued_us:.1f} us/call queued, {row.blocked_us:.1f} us blocked, "
+              f"err o {row.err_o:.2e} state {row.err_state:.2e} {row.note}", flush=True)
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| B | impl | config | us/call (queued) | us (blocked) | TB/s | of 4.3 TB/s | vs reference "
+             "| rel err o | rel err state | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ref_us = {r.batch: r.queued_us for r in rows if r.config == "-"}
+    for r in rows:
+        lines.append(f"| {r.batch} | {r.impl} | {r.config} | {r.queued_us:.1f} | {r.blocked_us:.1f} | {r.tbs:.2f} "
+                     f"| {r.tbs / PEAK_TBS:.0%} | {ref_us[r.batch] / r.queued_us:.2f}x | {r.err_o:.1e} "
+                     f"| {r.err_state:.1e} | {r.note} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
+    parser.add_argument("--budget-s", type=float, default=70.0, help="start no kernel configuration after this")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    backend = jax.default_backend()
+    print(f"jax {jax.__version__}, backend {backend}, devices {jax.devices()}", flush=True)
+    if backend == "cpu" and not args.small:
+        print("error: no GPU backend; run with --small for a CPU interpret-mode smoke test", file=sys.stderr)
+        return 2
+    dims = SMALL if args.small else FULL
+    configs = [(8, 1)] if args.small else CONFIGS
+    interpret = backend == "cpu"
+    print(f"gdn_decode: nk={dims['nk']} nv={dims['nv']} dk={dims['dk']} dv={dims['dv']}, slots = B + 1, "
+          f"{dims['repeats']} repeats; queued = {dims['inner']} calls back to back, then block", flush=True)
+    rows, failures = [], []
+    for batch in dims["batches"]:
+        rows += bench_shape(batch, dims, configs, interpret, start + args.budget_s, failures)
+    print(f"\n### gdn_decode on {jax.devices()[0].device_kind} ({time.perf_counter() - start:.0f} s)\n")
+    print(table(rows))
+    if failures:
+        print("\nFAILED:\n" + "\n".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
