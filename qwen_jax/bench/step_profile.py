@@ -23,6 +23,7 @@ from qwen_jax.layers.gated_deltanet import gdn_layer
 from qwen_jax.layers.mlp import sparse_moe, swiglu_mlp
 from qwen_jax.models.decoder import init_cache, random_params
 from qwen_jax.sampling_params import SamplingParams
+from sharding.mesh import make_mesh
 
 
 def _time(fn, *args, repeats: int = 20) -> tuple[float, float]:
@@ -57,6 +58,7 @@ def main() -> None:
     block_size = 16
     width = (args.context + 1 + block_size - 1) // block_size
     params = random_params(cfg)
+    mesh = make_mesh(1, 1, False)  # one device; the engine's step takes its mesh explicitly
     cache = init_cache(cfg, max(batches) * width + 1, block_size, max(batches) + 1)
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context, "decode": [],
               "layers": []}
@@ -67,7 +69,7 @@ def main() -> None:
         state = {"cache": cache}
 
         def step(batch=batch, tensors=tensors, state=state):
-            out, state["cache"] = run_step(params, state["cache"], batch, tensors, cfg, 0)
+            out, state["cache"] = run_step(params, state["cache"], batch, tensors, cfg, 0, mesh)
             return out.tokens
 
         first, median = _time(step)
