@@ -1,0 +1,16 @@
+"""AsyncLLM knows max_model_len, the EOS ids and the config before start(), with the values the engine computes.
+
+Nothing is loaded or compiled here: only the checkpoint's config and tokenizer are read."""
+
+from __future__ import annotations
+
+from qwen_jax.llm import AsyncLLM
+
+
+def test_async_llm_limits_known_before_start(hybrid_dir, kit):
+    default = AsyncLLM.from_engine_args(hybrid_dir)
+    assert default.engine is None
+    assert default.max_model_len == 256  # max_position_embeddings, under the 8192 cap
+    assert default.eos_token_ids == [512, kit.EOS]  # config and generation_config
+    assert default.config.vocab_size == kit.HYBRID_VOCAB
+    assert AsyncLLM.from_engine_args(hybrid_dir, max_model_len=48).max_model_len == 48
