@@ -32,6 +32,8 @@ def initialize(num_hosts: int | None = None, host_index: int | None = None, coor
     num_hosts = int(num_hosts if num_hosts is not None else _env(ENV_NUM_HOSTS) or 1)
     if num_hosts <= 1:
         return False
+    if jax.distributed.is_initialized():  # a second engine in the same process
+        return True
     host_index = int(host_index if host_index is not None else _env(ENV_HOST_INDEX) or 0)
     address = coordinator_address or _env(ENV_COORDINATOR)
     if address is None and os.environ.get("MASTER_ADDR"):
