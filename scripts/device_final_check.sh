@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
 export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0
-PARTS=" ${PARTS:-kernels step_profile traces server} "
+PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server} "
 part() { [[ "$PARTS" == *" $1 "* ]] || return 1; echo "== $1 ($(date +%T))"; }
 
 if part kernels; then
@@ -17,6 +17,21 @@ fi
 if part step_profile; then
   timeout "${T_STEP:-150}" python3 -m qwen_jax.bench.step_profile --config "$MODEL/config.json" --batches 1,16,64 \
     --context 1024 2>&1 | grep '^{' > "$OUT/step_profile.jsonl"; cat "$OUT/step_profile.jsonl"
+fi
+
+if part kernel_parity; then
+  for k in reference gpu; do
+    timeout "${T_PARITY:-120}" python3 scripts/kernel_parity.py --model "$MODEL" --kernels $k --out "$OUT/parity_$k.json" \
+      2>&1 | grep '^{'
+  done
+  python3 -c "
+import json, sys
+a, b = (json.load(open(sys.argv[i])) for i in (1, 2))
+same = [x == y for x, y in zip(a['tokens'], b['tokens'])]
+first = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None) for x, y in zip(a['tokens'], b['tokens'])]
+print('greedy tokens identical per prompt:', same, 'first difference at step:', first)" "$OUT/parity_reference.json" "$OUT/parity_gpu.json"
+  timeout "${T_STEP:-150}" python3 -m qwen_jax.bench.step_profile --config "$MODEL/config.json" --batches 1,64 \
+    --context 1024 --kernels gpu 2>&1 | grep '^{"batch' | head -2
 fi
 
 if part traces; then

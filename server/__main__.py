@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", choices=("auto", "dummy"), default=None)
     p.add_argument("--dtype", default=None, help="auto, bfloat16, float16 or float32")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kernels", choices=("reference", "gpu"), default=None,
+                   help="hot ops as jnp references or as the Pallas GPU kernels of pallas_kernels/")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
-                "load_format", "dtype", "seed")
+                "load_format", "dtype", "seed", "kernels")
 
 
 def engine_args(args: argparse.Namespace) -> dict:

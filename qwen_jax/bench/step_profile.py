@@ -51,17 +51,18 @@ def main() -> None:
     ap.add_argument("--config", required=True)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--kernels", default="reference", choices=("reference", "gpu"))
     ap.add_argument("--bandwidth", type=float, default=H200_TBPS, help="TB/s used for the roofline")
     args = ap.parse_args()
-    cfg = load_config(args.config)
+    cfg = load_config(args.config).with_kernels(args.kernels)
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
     width = (args.context + 1 + block_size - 1) // block_size
     params = random_params(cfg)
     mesh = make_mesh(1, 1, False)  # one device; the engine's step takes its mesh explicitly
     cache = init_cache(cfg, max(batches) * width + 1, block_size, max(batches) + 1)
-    report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context, "decode": [],
-              "layers": []}
+    report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
+              "kernels": args.kernels, "decode": [], "layers": []}
     for b in batches:
         batch = decode_batch(b, args.context, block_size, width)
         tensors = SamplingTensors.build([SamplingParams(temperature=0.0)] * b, [0] * b, [None] * b,

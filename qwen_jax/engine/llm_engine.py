@@ -41,6 +41,7 @@ ENGINE_ARGS = dict(
     enable_expert_parallel=False,
     load_format="auto",  # "auto": read the checkpoint; "dummy": random weights with the real shapes
     dtype="auto",
+    kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one (one device)
     seed=0,
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
@@ -116,7 +117,9 @@ class LLMEngine:
         distributed.initialize()  # multi-host: join the other processes (a no-op on one host)
         # Weights, cache and batches are laid out over this mesh by sharding/rules.py; one device is a 1x1x1 mesh.
         self.mesh = mesh.make_mesh(int(args["tensor_parallel_size"]), 1, bool(args["enable_expert_parallel"]))
-        cfg = self.cfg = read_model_config(self.model_path, args["dtype"])
+        cfg = self.cfg = read_model_config(self.model_path, args["dtype"]).with_kernels(args["kernels"])
+        if cfg.kernels == "gpu" and self.mesh.size > 1:
+            raise NotImplementedError("kernels='gpu' runs on one device only so far (Pallas calls are not partitioned)")
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_ids(self.model_path, cfg, self.tokenizer)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])

@@ -22,7 +22,7 @@ def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, seq_lens: jax
     full = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K-1+S, C...]
     w = weight.astype(jnp.float32)
     out = sum(full[:, i:i + seq].astype(jnp.float32) * w[i] for i in range(kernel))
-    out = jax.nn.silu(out).astype(x.dtype)
+    out = jax.nn.silu(out.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)  # HF rounds the conv, then SiLU
     idx = seq_lens[:, None] + jnp.arange(kernel - 1)[None, :]  # [B, K-1]
     idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))
     new_state = jnp.take_along_axis(full, idx, axis=1)
@@ -87,6 +87,26 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
     return jnp.moveaxis(out, 1, 2), final, jnp.moveaxis(boundaries, 0, 1)
 
 
+def _delta_rule_reference(q, k, v, a, b, p, state, valid, cfg, dtype):
+    """The jnp path: L2 norms, gates, then one recurrent step (decode) or the chunked scan (prefill).
+    q, k: [B, S, nk, dk] and v: [B, S, nv, dv] after the conv; a, b: [B, S, nv]; state: [B, nv, dk, dv] float32."""
+    repeat = cfg.linear_num_value_heads // cfg.linear_num_key_heads  # value head j reads key head j // repeat
+    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=2) * cfg.linear_key_head_dim ** -0.5
+    k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), repeat, axis=2)
+    v = v.astype(jnp.float32)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(dtype)  # HF computes sigmoid(b) in the model dtype
+    beta = jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0)
+    dt = jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * dt
+    g = jnp.where(valid[..., None], g, 0.0)
+    k = jnp.where(valid[..., None, None], k, 0.0)
+    if q.shape[1] == 1:
+        out, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+        return out[:, None], state
+    out, state, _ = chunked_delta_rule(q, k, v, g, beta, state)
+    return out, state
+
+
 def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax.Array, dict]:
     """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots)."""
     slots, seq_lens, valid = batch["state_slots"], batch["seq_lens"], batch["valid"]
@@ -99,28 +119,25 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax
     z = proj(p["z"])  # [B, S, Hv, Dv]
     b, a = proj(p["b"]), proj(p["a"])  # [B, S, Hv]
 
-    repeat = cfg.linear_num_value_heads // cfg.linear_num_key_heads  # value head j reads key head j // repeat
-    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=2) * cfg.linear_key_head_dim ** -0.5
-    k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), repeat, axis=2)
-    v = v.astype(jnp.float32)
-    beta = jnp.where(valid[..., None], jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    g = jnp.where(valid[..., None], g, 0.0)
-    k = jnp.where(valid[..., None, None], k, 0.0)
+    if x.shape[1] == 1 and cfg.kernels == "gpu":
+        # Fused decode kernel (pallas_kernels/gdn_decode.py): norms, gates and the in-place state update in one
+        # launch. Rows starting a sequence get their slot zeroed first; padding rows update slot 0, the sink.
+        from pallas_kernels.gdn_decode import gdn_decode
 
-    state = keep(cache["ssm"][slots])
-    if x.shape[1] == 1:
-        out, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+        ssm = cache["ssm"].at[jnp.where(fresh, slots, cache["ssm"].shape[0])].set(0.0, mode="drop")
+        out, ssm = gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], p["A_log"], p["dt_bias"], ssm, slots,
+                              block_v=min(32, cfg.linear_value_head_dim))
         out = out[:, None]
     else:
-        out, state, _ = chunked_delta_rule(q, k, v, g, beta, state)
+        out, state = _delta_rule_reference(q, k, v, a, b, p, keep(cache["ssm"][slots]), valid, cfg, x.dtype)
+        ssm = cache["ssm"].at[slots].set(state)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
     out = jnp.einsum("bsnd,ndh->bsh", out, p["out"], preferred_element_type=jnp.float32).astype(x.dtype)
     new_cache = {
         "conv_q": cache["conv_q"].at[slots].set(new_conv_q),
         "conv_k": cache["conv_k"].at[slots].set(new_conv_k),
         "conv_v": cache["conv_v"].at[slots].set(new_conv_v),
-        "ssm": cache["ssm"].at[slots].set(state),
+        "ssm": ssm,
     }
     return out, new_cache
 
