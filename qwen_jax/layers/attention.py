@@ -33,13 +33,15 @@ def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
                     context_lens: jax.Array, block_tables: jax.Array, scale: float) -> jax.Array:
     """q: [B, S, heads, D] at absolute `positions` [B, S]; each query sees keys 0..its own position.
-    Softmax in float32; probabilities rounded to q's dtype before multiplying V (as HF eager does)."""
+    Scores rounded to q's dtype, softmax in float32, probabilities rounded to q's dtype before multiplying V
+    (as HF eager does)."""
     batch, seq, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     k = k_cache[block_tables].reshape(batch, -1, kv_heads, dim)  # [B, T, kv_heads, D]
     v = v_cache[block_tables].reshape(batch, -1, kv_heads, dim)
     qg = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=jnp.float32)
+    scores = scores.astype(q.dtype).astype(jnp.float32) * scale  # HF eager rounds q @ k^T to q's dtype
     key_pos = jnp.arange(k.shape[1])
     visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
@@ -66,7 +68,8 @@ def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_fr
     out = paged_attention(q, k_cache, v_cache, positions, batch["context_lens"], batch["block_tables"],
                           cfg.head_dim ** -0.5)
     if cfg.attn_output_gate:
-        out = out * jax.nn.sigmoid(_proj(x, p["gate"], None))
+        gate = _proj(x, p["gate"], None).astype(jnp.float32)
+        out = out * jax.nn.sigmoid(gate).astype(out.dtype)  # sigmoid in float32 and rounded once, as torch does
     out = jnp.einsum("bsnd,ndh->bsh", out, p["o"], preferred_element_type=jnp.float32)
     if "o_bias" in p:
         out = out + p["o_bias"].astype(jnp.float32)

@@ -69,5 +69,5 @@ def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Arra
     out = grouped_experts(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"])
     if "shared_gate" in p:
         shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
-        out = out + jax.nn.sigmoid(linear(x, p["shared_expert_gate"])) * shared
+        out = out + jax.nn.sigmoid(linear(x, p["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype) * shared
     return out

@@ -1,0 +1,275 @@
+"""The minimal engine: `create_engine` loads a checkpoint and serves prefill / decode / remove of named requests
+over the paged KV cache and recurrent-state slots, one jitted `decoder.forward` per (batch, length) bucket.
+
+No scheduling, sampling or sharding here, and never a host copy of the logits when the caller hands in device tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from qwen_jax.config import ModelConfig, from_hf_dict, from_native_dict
+from qwen_jax.engine.memory import BlockPool, SlotPool
+from qwen_jax.models.decoder import forward, init_cache, make_batch
+from qwen_jax.weights import (
+    DictSource,
+    SafetensorsSource,
+    TensorSource,
+    TorchFileSource,
+    WeightError,
+    load_params,
+    open_checkpoint,
+    read_llama2c,
+)
+
+# One jitted step shared by every engine: compilations are keyed by (cfg, shapes), so engines of the same
+# config reuse them. The cache (argument 1) is donated and comes back updated. Excess precision is off so that
+# every rounding to bf16/fp16 the layers write (where HF rounds) really happens; XLA would otherwise skip them.
+_step = jax.jit(forward, static_argnames=("cfg", "all_logits"), donate_argnums=(1,),
+                compiler_options={"xla_allow_excess_precision": False})
+
+_MIN_TOKENS_BUCKET = 16
+# HF config spellings that mean one of our model types (text-only configs of the Qwen3.5 family).
+_MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5"}
+# Shape fields a native config must agree on with a llama2.c header.
+_LLAMA2C_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads")
+
+
+@dataclass
+class _Request:
+    slot: int
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # tokens already in the cache
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+class Engine:
+    """Named requests on one device. Every call takes a batch of request ids and returns float32 logits
+    [batch, vocab] of each request's last token (a torch tensor when the inputs were torch tensors)."""
+
+    def __init__(self, cfg: ModelConfig, params: dict, device: jax.Device, max_num_seqs: int = 8,
+                 max_model_len: int | None = None, block_size: int = 16):
+        self.cfg = cfg
+        self.params = params
+        self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.block_size = block_size
+        self.blocks_per_seq = math.ceil(self.max_model_len / block_size)
+        self.blocks = BlockPool(max_num_seqs * self.blocks_per_seq + 1, block_size)
+        self.slots = SlotPool(max_num_seqs + 1)
+        # Committed to `device` like the step's outputs, so the second call hits the first call's compilation.
+        with jax.default_device(device):
+            self.cache = jax.device_put(init_cache(cfg, self.blocks.num_blocks, block_size, self.slots.num_slots),
+                                        device)
+        self.requests: dict[Hashable, _Request] = {}
+
+    # ---- public API --------------------------------------------------------------------------------------
+    def prefill(self, request_ids: Sequence[Hashable], input_ids: Sequence) -> object:
+        """Run each request's prompt (a 1-D token tensor; lengths may differ) from position 0. A request id
+        that is already live is replaced: its blocks and slot are freed first. Returns last-token logits."""
+        request_ids = self._check_ids(request_ids)
+        prompts = [_to_numpy(t).reshape(-1) for t in input_ids]
+        if len(prompts) != len(request_ids):
+            raise ValueError(f"got {len(request_ids)} request ids but {len(prompts)} prompts")
+        for rid, prompt in zip(request_ids, prompts, strict=True):
+            if not 0 < prompt.size <= self.max_model_len:
+                raise ValueError(f"request {rid!r}: prompt of {prompt.size} tokens; must be 1..{self.max_model_len}")
+        self.remove([rid for rid in request_ids if rid in self.requests])
+        new = []
+        try:
+            for rid, prompt in zip(request_ids, prompts, strict=True):
+                req = _Request(slot=self.slots.allocate())
+                new.append(rid)
+                self.requests[rid] = req
+                req.blocks = self.blocks.allocate(self.blocks.blocks_for(prompt.size))
+        except Exception:
+            self.remove(new)
+            raise
+        seq = _bucket(max(p.size for p in prompts), _MIN_TOKENS_BUCKET)
+        tokens = np.zeros((len(prompts), seq), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :prompt.size] = prompt
+        logits = self._run(request_ids, tokens, [0] * len(prompts), [p.size for p in prompts])
+        for rid, prompt in zip(request_ids, prompts, strict=True):
+            self.requests[rid].length = prompt.size
+        return _like(logits, input_ids[0])
+
+    def decode(self, request_ids: Sequence[Hashable], token_ids) -> object:
+        """Append one token per request (token_ids: [batch] or [batch, 1]) and return the next logits."""
+        request_ids = self._check_ids(request_ids)
+        tokens = _to_numpy(token_ids)
+        if tokens.ndim == 2 and tokens.shape[1] == 1:
+            tokens = tokens[:, 0]
+        if tokens.shape != (len(request_ids),):
+            raise ValueError(f"token_ids must be [batch] or [batch, 1] with batch={len(request_ids)}, "
+                             f"got shape {tokens.shape}")
+        reqs = [self._get(rid) for rid in request_ids]
+        for rid, req in zip(request_ids, reqs, strict=True):
+            if req.length >= self.max_model_len:
+                raise ValueError(f"request {rid!r} is at max_model_len={self.max_model_len}")
+        for req in reqs:
+            if req.length == len(req.blocks) * self.block_size:
+                req.blocks += self.blocks.allocate(1)
+        starts = [req.length for req in reqs]
+        logits = self._run(request_ids, tokens[:, None].astype(np.int32), starts, [1] * len(reqs))
+        for req in reqs:
+            req.length += 1
+        return _like(logits, token_ids)
+
+    def remove(self, request_ids: Sequence[Hashable]) -> None:
+        """Free the blocks and slot of each request."""
+        for rid in self._check_ids(request_ids, allow_empty=True):
+            self._get(rid)
+        for rid in request_ids:
+            req = self.requests.pop(rid)
+            self.blocks.release(req.blocks)
+            self.slots.release(req.slot)
+
+    # ---- internals ---------------------------------------------------------------------------------------
+    def _check_ids(self, request_ids: Sequence[Hashable], allow_empty: bool = False) -> list:
+        request_ids = list(request_ids)
+        if not request_ids and not allow_empty:
+            raise ValueError("empty batch: pass at least one request id")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"duplicate request ids in one batch: {request_ids}")
+        if len(request_ids) > self.max_num_seqs:
+            raise ValueError(f"batch of {len(request_ids)} requests exceeds max_num_seqs={self.max_num_seqs}")
+        return request_ids
+
+    def _get(self, rid: Hashable) -> _Request:
+        if rid not in self.requests:
+            raise KeyError(f"unknown request id {rid!r} (never prefilled, or removed)")
+        return self.requests[rid]
+
+    def _run(self, request_ids: list, tokens: np.ndarray, starts: list[int], lens: list[int]) -> jax.Array:
+        """Pad rows up to a batch bucket (padding rows use slot 0 and block 0) and run one jitted step."""
+        batch = len(request_ids)
+        rows = min(_bucket(batch), _bucket(self.max_num_seqs))
+        padded = np.zeros((rows, tokens.shape[1]), np.int32)
+        padded[:batch] = tokens
+        tables = np.zeros((rows, self.blocks_per_seq), np.int32)
+        slots = np.zeros(rows, np.int32)
+        for row, rid in enumerate(request_ids):
+            req = self.requests[rid]
+            tables[row, :len(req.blocks)] = req.blocks
+            slots[row] = req.slot
+        host = make_batch(padded, np.pad(starts, (0, rows - batch)), np.pad(lens, (0, rows - batch)), slots, tables)
+        logits, self.cache = _step(self.params, self.cache, jax.device_put(host, self.device), cfg=self.cfg)
+        return logits[:batch]
+
+
+def _to_numpy(x) -> np.ndarray:
+    if type(x).__module__.startswith("torch"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _like(logits: jax.Array, example) -> object:
+    """Torch in, torch out (zero-copy via DLPack, then moved to the input's device if that differs)."""
+    if not type(example).__module__.startswith("torch"):
+        return logits
+    import torch
+    import torch.utils.dlpack
+
+    out = torch.utils.dlpack.from_dlpack(logits)
+    return out if out.device == example.device else out.to(example.device)
+
+
+def _resolve_device(device: str) -> jax.Device:
+    if device == "cpu":
+        return jax.devices("cpu")[0]
+    if device == "auto":
+        return jax.devices()[0]
+    if device == "cuda":
+        try:
+            return jax.devices("gpu")[0]
+        except RuntimeError as exc:
+            raise RuntimeError(f"device='cuda' was requested but JAX has no GPU backend ({exc}); "
+                               f"install jax[cuda12] or pass device='cpu'") from None
+    raise ValueError(f"unknown device {device!r}: use 'cuda', 'cpu' or 'auto'")
+
+
+def _parse(model_config: dict) -> ModelConfig:
+    config = dict(model_config)
+    model_type = _MODEL_TYPE_ALIASES.get(config.get("model_type"), config.get("model_type"))
+    config["model_type"] = model_type
+    if "num_local_experts" in config and "num_experts" not in config:  # HF's Qwen3MoeConfig.to_dict spelling
+        config["num_experts"] = config["num_local_experts"]
+    return from_hf_dict(config)
+
+
+def _is_llama2c(path: str) -> bool:
+    """True when the file size is exactly what its 7-int llama2.c header promises (tokenizer .bin files are not)."""
+    with open(path, "rb") as f:
+        header = f.read(28)
+    if len(header) < 28:
+        return False
+    dim, hidden, layers, heads, kv_heads, vocab, seq_len = struct.unpack("<7i", header)
+    if min(dim, hidden, layers, heads, kv_heads, seq_len) <= 0 or dim % heads:
+        return False
+    head = dim // heads
+    floats = (abs(vocab) * dim + layers * (2 * dim + 2 * dim * dim + 2 * kv_heads * head * dim + 3 * dim * hidden)
+              + dim + seq_len * head + (abs(vocab) * dim if vocab < 0 else 0))
+    return os.path.getsize(path) == 28 + 4 * floats
+
+
+def _llama2c_file(weight_dir: str) -> str | None:
+    """The llama2.c checkpoint `weight_dir` is or holds (a dir with safetensors or model.pt is never one)."""
+    if os.path.isfile(weight_dir):
+        return weight_dir if weight_dir.endswith(".bin") else None
+    files = os.listdir(weight_dir)
+    if any(f.endswith(".safetensors") or f == "model.pt" for f in files):
+        return None
+    models = [os.path.join(weight_dir, f) for f in sorted(files) if f.endswith(".bin")]
+    models = [path for path in models if _is_llama2c(path)]
+    if len(models) > 1:
+        raise WeightError(f"{weight_dir} holds several llama2.c checkpoints ({', '.join(models)}); pass one file")
+    return models[0] if models else None
+
+
+def _open_weights(model_config: dict | None, weight_dir: str) -> tuple[ModelConfig, TensorSource]:
+    """(config, tensor source): the config comes from `model_config` when given, else from the checkpoint."""
+    if not os.path.exists(weight_dir):
+        raise WeightError(f"weight_dir {weight_dir} does not exist")
+    llama2c = _llama2c_file(weight_dir)
+    if llama2c is not None:
+        file_config, state = read_llama2c(llama2c)
+        if model_config is not None:
+            wrong = [k for k in _LLAMA2C_FIELDS if k in model_config and model_config[k] != file_config[k]]
+            if wrong:
+                raise WeightError(f"{llama2c} does not match model_config: " + ", ".join(
+                    f"{k} is {file_config[k]} in the file, {model_config[k]} in the config" for k in wrong))
+            dtype = model_config.get("torch_dtype") or model_config.get("dtype")
+            file_config = {**file_config, **({"torch_dtype": dtype} if dtype else {})}
+        return from_native_dict(file_config), DictSource(state)
+    if model_config is None:
+        config, source = open_checkpoint(weight_dir)
+        return _parse(config), source
+    cfg = _parse(model_config)
+    if os.path.isdir(weight_dir) and os.path.exists(os.path.join(weight_dir, "model.pt")):
+        return cfg, TorchFileSource(os.path.join(weight_dir, "model.pt"))
+    if os.path.isdir(weight_dir) and any(f.endswith(".safetensors") for f in os.listdir(weight_dir)):
+        return cfg, SafetensorsSource(weight_dir)
+    raise WeightError(f"no weights in {weight_dir}: expected *.safetensors, model.pt or a llama2.c .bin")
+
+
+def create_engine(model_config: dict | None, weight_dir: str, device: str = "cuda", **engine_kwargs) -> Engine:
+    """Load `weight_dir` (HF safetensors dir, a dir with the native `model.pt`, or a llama2.c `.bin` / a dir
+    holding one) for `model_config` (an HF config dict or the native dict) onto `device` ('cuda', 'cpu' or
+    'auto'). `engine_kwargs`: max_num_seqs, max_model_len, block_size."""
+    jax_device = _resolve_device(device)
+    cfg, source = _open_weights(model_config, weight_dir)
+    params = load_params(cfg, source, place=lambda path, a: jax.device_put(a, jax_device))
+    return Engine(cfg, params, jax_device, **engine_kwargs)
