@@ -37,34 +37,48 @@ def bucket(n: int, minimum: int = 1) -> int:
 # per-layer launches overlap the device work of the layers before them.
 # Sharded: params and cache arrive committed to their rules' shardings (inputs follow them), the MoE is the mesh's
 # expert-parallel one, and outputs are pinned (activations whole on every device, cache in its own shards).
-@functools.partial(jax.jit, static_argnames=("mesh",))
+# Excess precision off: every rounding to bf16 that the layers write (where HF rounds) really happens.
+EXACT = {"xla_allow_excess_precision": False}
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), compiler_options=EXACT)
 def _embed(embed, batch, mesh):
     return jax.lax.with_sharding_constraint(embed[batch["tokens"]], rules.batch_sharding(mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "index", "mesh"), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnames=("cfg", "index", "mesh"), donate_argnums=(2,), compiler_options=EXACT)
 def _layer(x, p, c, batch, cfg, index, mesh):
     x, c = decoder_layer(x, p, c, batch, cfg, index, moe_impl_for(cfg, mesh))
     return (jax.lax.with_sharding_constraint(x, rules.batch_sharding(mesh)),
             rules.constrain_cache_layer(cfg, mesh, index, c))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_top_logprobs"))
+@functools.partial(jax.jit, static_argnames=("cfg", "num_top_logprobs"), compiler_options=EXACT)
 def _head_sample(x, head_params, batch, tensors, cfg, num_top_logprobs):
     return sample(logits_head(x, head_params, batch, cfg), tensors, num_top_logprobs)
 
 
-def run_step(params: dict, cache: dict, batch: dict, tensors: SamplingTensors, cfg: ModelConfig,
-             num_top_logprobs: int, mesh: Mesh) -> tuple[SampleOutput, dict]:
-    """forward + sample for one padded host batch; the cache's per-layer buffers are donated layer by layer."""
-    batch = prepare_batch(jax.device_put(batch, rules.batch_sharding(mesh)))
+def run_layers(params: dict, cache: dict, batch: dict, cfg: ModelConfig, mesh: Mesh) -> tuple[jax.Array, dict]:
+    """Embedding and every layer for a batch already on the devices (from prepare_batch): (hidden [B, S, H], cache).
+    The cache's per-layer buffers are donated layer by layer."""
     x = _embed(params["embed"], batch, mesh=mesh)
     layers = []
     for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
         x, c = _layer(x, p, c, batch, cfg=cfg, index=_layer_index(cfg, i), mesh=mesh)
         layers.append(c)
-    head = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
-    return _head_sample(x, head, batch, tensors, cfg=cfg, num_top_logprobs=num_top_logprobs), {"layers": layers}
+    return x, {"layers": layers}
+
+
+def head_params(params: dict) -> dict:
+    return {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
+
+
+def run_step(params: dict, cache: dict, batch: dict, tensors: SamplingTensors, cfg: ModelConfig,
+             num_top_logprobs: int, mesh: Mesh) -> tuple[SampleOutput, dict]:
+    """forward + sample for one padded host batch."""
+    batch = prepare_batch(jax.device_put(batch, rules.batch_sharding(mesh)))
+    x, cache = run_layers(params, cache, batch, cfg, mesh)
+    return _head_sample(x, head_params(params), batch, tensors, cfg=cfg, num_top_logprobs=num_top_logprobs), cache
 
 
 def _layer_index(cfg: ModelConfig, i: int) -> int:
