@@ -47,8 +47,8 @@ t0=$(date +%s)
 ./start.sh --model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000 \
   --compilation-cache-dir /tmp/qwen_jax_cc > "$OUT/start.txt" 2>&1 || tail -30 "$OUT/server.log"
 echo "cold_start_s $(( $(date +%s) - t0 ))"
-for level in "1 4" "16 16" "64 64"; do
-  set -- $level
+for level in ${LEVELS:-1:4 16:16 64:64}; do
+  set -- ${level/:/ }
   timeout "${T_LEVEL:-120}" python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" \
     --concurrency "$1" --num-requests "$2" --input-len 1024 --output-len "${OUTLEN:-128}" \
     --results "$OUT/RESULTS.json" --device H200 --device-count 1 --layout TP=1 --weights random \
