@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import ModelConfig
@@ -45,7 +45,16 @@ def jit_forward(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, 
                    donate_argnums=(1,) if donate_cache else ())
 
 
+def _trimmed(spec: P) -> P:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
 def init_cache(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> dict:
-    """Zeroed cache made directly in its shards (num_blocks and num_slots count all replicas together)."""
-    shardings = rules.cache_shardings(cfg, mesh, num_blocks, block_size, num_slots)
+    """Zeroed cache made directly in its shards (num_blocks and num_slots count all replicas together).
+    Specs without trailing Nones, as compiled programs return them: a donated cache keeps one jit signature."""
+    shardings = jax.tree.map(lambda sh: NamedSharding(mesh, _trimmed(sh.spec)),
+                             rules.cache_shardings(cfg, mesh, num_blocks, block_size, num_slots))
     return jax.jit(lambda: decoder.init_cache(cfg, num_blocks, block_size, num_slots), out_shardings=shardings)()
