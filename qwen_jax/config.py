@@ -171,9 +171,13 @@ def _rope_settings(text: dict) -> tuple[float, float, tuple]:
     return float(theta), float(partial), items
 
 
+# Text-only configs of the Qwen3.5 family name their model type with a suffix.
+_MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5"}
+
+
 def from_hf_dict(config: dict) -> ModelConfig:
     """Parse an HF config.json dict (multimodal wrappers keep the decoder under `text_config`)."""
-    model_type = config.get("model_type")
+    model_type = _MODEL_TYPE_ALIASES.get(config.get("model_type"), config.get("model_type"))
     if model_type in ("tiny_llama", "llama2c"):
         return from_native_dict(config)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -239,7 +243,7 @@ def from_hf_dict(config: dict) -> ModelConfig:
             **common,
             layer_types=layer_types,
             qk_norm=True,
-            num_experts=int(text["num_experts"]),
+            num_experts=int(text.get("num_experts") or text["num_local_experts"]),  # to_dict() writes the latter
             num_experts_per_tok=int(text["num_experts_per_tok"]),
             moe_intermediate_size=int(text["moe_intermediate_size"]),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),

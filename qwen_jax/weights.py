@@ -344,6 +344,4 @@ def open_checkpoint(path: str) -> tuple[dict, TensorSource]:
 def dummy_params(cfg: ModelConfig, seed: int = 0, shardings: dict | None = None) -> dict:
     """`--load-format dummy`: random weights with the real shapes, made on the devices; with `shardings` (a pytree
     like param_shapes) each device draws only its own shards (no full copy of the weights on any device)."""
-    if shardings is None:
-        return random_params(cfg, seed)
-    return jax.jit(lambda: random_params(cfg, seed), out_shardings=shardings)()
+    return random_params(cfg, seed, shardings=shardings)

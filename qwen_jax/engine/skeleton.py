@@ -36,8 +36,6 @@ _step = jax.jit(forward, static_argnames=("cfg", "all_logits"), donate_argnums=(
                 compiler_options={"xla_allow_excess_precision": False})
 
 _MIN_TOKENS_BUCKET = 16
-# HF config spellings that mean one of our model types (text-only configs of the Qwen3.5 family).
-_MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5"}
 # Shape fields a native config must agree on with a llama2.c header.
 _LLAMA2C_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads")
@@ -201,15 +199,6 @@ def _resolve_device(device: str) -> jax.Device:
     raise ValueError(f"unknown device {device!r}: use 'cuda', 'cpu' or 'auto'")
 
 
-def _parse(model_config: dict) -> ModelConfig:
-    config = dict(model_config)
-    model_type = _MODEL_TYPE_ALIASES.get(config.get("model_type"), config.get("model_type"))
-    config["model_type"] = model_type
-    if "num_local_experts" in config and "num_experts" not in config:  # HF's Qwen3MoeConfig.to_dict spelling
-        config["num_experts"] = config["num_local_experts"]
-    return from_hf_dict(config)
-
-
 def _is_llama2c(path: str) -> bool:
     """True when the file size is exactly what its 7-int llama2.c header promises (tokenizer .bin files are not)."""
     with open(path, "rb") as f:
@@ -256,8 +245,8 @@ def _open_weights(model_config: dict | None, weight_dir: str) -> tuple[ModelConf
         return from_native_dict(file_config), DictSource(state)
     if model_config is None:
         config, source = open_checkpoint(weight_dir)
-        return _parse(config), source
-    cfg = _parse(model_config)
+        return from_hf_dict(config), source
+    cfg = from_hf_dict(model_config)
     if os.path.isdir(weight_dir) and os.path.exists(os.path.join(weight_dir, "model.pt")):
         return cfg, TorchFileSource(os.path.join(weight_dir, "model.pt"))
     if os.path.isdir(weight_dir) and any(f.endswith(".safetensors") for f in os.listdir(weight_dir)):

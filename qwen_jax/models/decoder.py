@@ -117,26 +117,36 @@ def init_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: in
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, num_blocks, block_size, num_slots))
 
 
-def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:
-    """Random weights with the real shapes, drawn on the device (no host copy): the `dummy` load format.
-    Norm weights start at their identity value; GDN gates get values in the range trained models have."""
+def _draw(key: jax.Array, shape: tuple, dtype, kind: str, scale: float) -> jax.Array:
+    if kind == "zeros":
+        return jnp.zeros(shape, dtype)
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "A_log":  # -exp(A_log) in [-16, -1]: decays like trained models have
+        return jnp.log(jax.random.uniform(key, shape, F32, 1.0, 16.0)).astype(dtype)
+    return (jax.random.normal(key, shape, F32) * scale).astype(dtype)
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, shardings: dict | None = None) -> dict:
+    """Random weights with the real shapes, drawn on the devices (no host copy): the `dummy` load format.
+    Norm weights start at their identity value; GDN gates get values in the range trained models have.
+    One small program per leaf (shared by leaves of one shape): with `shardings` (a pytree like param_shapes)
+    each device draws only its own shards, and compile time stays seconds even for 40 layers."""
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    placement = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
     key = jax.random.key(seed)
     out = []
-    for idx, (path, s) in enumerate(leaves):
+    for idx, ((path, s), sharding) in enumerate(zip(leaves, placement)):
         name = str(path[-1].key)
         if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"):
-            value = jnp.zeros(s.shape, s.dtype) if cfg.norm_plus_one else jnp.ones(s.shape, s.dtype)
-        elif name == "norm":
-            value = jnp.ones(s.shape, s.dtype)
-        elif name == "A_log":
-            value = jnp.log(jax.random.uniform(jax.random.fold_in(key, idx), s.shape, F32, 1.0, 16.0))
-        elif name == "dt_bias":
-            value = jnp.ones(s.shape, F32)
+            kind = "zeros" if cfg.norm_plus_one else "ones"
+        elif name in ("norm", "dt_bias"):
+            kind = "ones"
         else:
-            value = (jax.random.normal(jax.random.fold_in(key, idx), s.shape, F32) * scale).astype(s.dtype)
-        out.append(value)
+            kind = "A_log" if name == "A_log" else "normal"
+        draw = jax.jit(_draw, static_argnums=(1, 2, 3, 4), out_shardings=sharding)
+        out.append(draw(jax.random.fold_in(key, idx), tuple(s.shape), s.dtype, kind, scale))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
