@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qwen_jax.config import ModelConfig, from_hf_dict, from_native_dict
@@ -57,8 +58,9 @@ class Engine:
     [batch, vocab] of each request's last token (a torch tensor when the inputs were torch tensors)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, device: jax.Device, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, block_size: int = 16):
+                 max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192):
         self.cfg = cfg
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.params = params
         self.device = device
         self.max_num_seqs = max_num_seqs
@@ -99,7 +101,12 @@ class Engine:
         tokens = np.zeros((len(prompts), seq), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, :prompt.size] = prompt
-        logits = self._run(request_ids, tokens, [0] * len(prompts), [p.size for p in prompts])
+        # At most max_num_batched_tokens (padded) tokens per forward: the reference MoE and attention need
+        # temporaries that grow with tokens x experts and tokens x context.
+        rows = max(1, self.max_num_batched_tokens // seq)
+        logits = jnp.concatenate([
+            self._run(request_ids[i:i + rows], tokens[i:i + rows], [0] * len(prompts[i:i + rows]),
+                      [p.size for p in prompts[i:i + rows]]) for i in range(0, len(prompts), rows)])
         for rid, prompt in zip(request_ids, prompts, strict=True):
             self.requests[rid].length = prompt.size
         return _like(logits, input_ids[0])
@@ -257,7 +264,7 @@ def _open_weights(model_config: dict | None, weight_dir: str) -> tuple[ModelConf
 def create_engine(model_config: dict | None, weight_dir: str, device: str = "cuda", **engine_kwargs) -> Engine:
     """Load `weight_dir` (HF safetensors dir, a dir with the native `model.pt`, or a llama2.c `.bin` / a dir
     holding one) for `model_config` (an HF config dict or the native dict) onto `device` ('cuda', 'cpu' or
-    'auto'). `engine_kwargs`: max_num_seqs, max_model_len, block_size."""
+    'auto'). `engine_kwargs`: max_num_seqs, max_model_len, block_size, max_num_batched_tokens."""
     jax_device = _resolve_device(device)
     cfg, source = _open_weights(model_config, weight_dir)
     params = load_params(cfg, source, place=lambda path, a: jax.device_put(a, jax_device))
