@@ -99,6 +99,7 @@ class AsyncLLM:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._ready = False
+        self._stats: dict = {}
         self.error: BaseException | None = None
 
     @classmethod
@@ -124,6 +125,7 @@ class AsyncLLM:
         """Load the model and compile the common step shapes off the event loop, then start the engine thread."""
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(self._build)
+        self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="qwen-jax-engine", daemon=True)
         self._thread.start()
         self._ready = True
@@ -149,11 +151,15 @@ class AsyncLLM:
                     except queue.Empty:
                         break
                     if kind == "add":
-                        engine.add_request(rid, *payload)
+                        try:
+                            engine.add_request(rid, *payload)
+                        except ValueError as exc:  # this request's problem only: the engine state is untouched
+                            self._emit_to(rid, exc)
                     else:
                         out = engine.abort(rid)
                         if out is not None:
                             self._emit(out)
+                self._stats = engine.stats()
                 if not engine.has_unfinished:
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -167,9 +173,12 @@ class AsyncLLM:
             raise
 
     def _emit(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
+        self._emit_to(out.request_id, out)
+
+    def _emit_to(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
         if stream is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, out)
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
@@ -186,6 +195,9 @@ class AsyncLLM:
         try:
             while True:
                 item = await stream.get()
+                if isinstance(item, ValueError):  # the request was refused; nothing else is affected
+                    finished = True
+                    raise item
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"engine failed: {item!r}") from item
                 finished = item.finished
@@ -203,7 +215,8 @@ class AsyncLLM:
         self._wake.set()
 
     def stats(self) -> dict:
-        return self.engine.stats() if self.engine else {}
+        """The engine's counters as of its last loop iteration (taken on the engine thread, so never torn)."""
+        return self._stats
 
     async def shutdown(self) -> None:
         """Abort what is still running, then stop the engine thread."""
