@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from conftest import MAX_MODEL_LEN, http_json, wait_idle
+from server_harness import MAX_MODEL_LEN, http_json, wait_idle
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story."}]
 

@@ -10,7 +10,7 @@ import socket
 import time
 
 import openai
-from conftest import MAX_NUM_SEQS, http_json, wait_idle
+from server_harness import MAX_NUM_SEQS, http_json, wait_idle
 
 
 def test_64_concurrent_requests_all_answered_with_exact_usage(server, tokenizer):

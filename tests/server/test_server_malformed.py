@@ -5,7 +5,7 @@ healthy and correct afterwards.
 from __future__ import annotations
 
 import pytest
-from conftest import MAX_MODEL_LEN, http_json, wait_idle
+from server_harness import MAX_MODEL_LEN, http_json, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"

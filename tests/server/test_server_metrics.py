@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import urllib.request
 
-from conftest import http_json, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import http_json, wait_idle
 
 
 def scrape(server) -> dict:

@@ -11,7 +11,7 @@ import threading
 import time
 import urllib.request
 
-from conftest import MAX_MODEL_LEN, MAX_NUM_SEQS, free_port, http_json
+from server_harness import MAX_MODEL_LEN, MAX_NUM_SEQS, free_port, http_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "start.sh")

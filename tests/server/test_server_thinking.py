@@ -5,7 +5,7 @@ think tags); chat_template_kwargs.enable_thinking or /invocations' "thinking" tu
 from __future__ import annotations
 
 import pytest
-from conftest import http_json
+from server_harness import http_json
 
 from server.chat import ReasoningSplitter
 

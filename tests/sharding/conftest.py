@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-# Before jax starts a backend: 8 host devices, and LLVM at -O0 (these tests check partitioning, not CPU codegen;
-# it cuts their compile time by about 40%).
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+from sharding_flags import FAST_COMPILE
+
+# Before jax starts a backend: 8 host devices, and LLVM at -O0 (sharding_flags says why).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:

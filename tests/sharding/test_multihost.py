@@ -10,7 +10,7 @@ import sys
 
 import jax
 import numpy as np
-from conftest import FAST_COMPILE
+from sharding_flags import FAST_COMPILE
 from sharding_tiny_models import BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, step_batches, tiny_config
 
 from qwen_jax.models import decoder
