@@ -495,6 +495,21 @@ def _completion_response(state: ServerState, req: ParsedRequest, rid: str, promp
             "choices": choices, "usage": _usage(prompts_ids, jobs, finals)}
 
 
+def _chunk(head: dict, extra: dict, job: _Job, out: RequestOutput, body: dict) -> str:
+    """One streamed choice: its new delta/text and logprobs, plus the finish reason once it has finished."""
+    choice = {"index": job.index, **body, "finish_reason": out.finish_reason if out.finished else None}
+    if out.finished:
+        choice["stop_reason"] = out.stop_reason
+    return _sse({**head, "choices": [choice], **extra})
+
+
+def _stream_end(req: ParsedRequest, head: dict, prompts_ids: list[list[int]], jobs: list[_Job],
+                finals: dict[int, RequestOutput]) -> list[str]:
+    """The closing events of a stream: the usage chunk when asked for, then [DONE]."""
+    end = [_sse({**head, "choices": [], "usage": _usage(prompts_ids, jobs, finals)})] if req.include_usage else []
+    return [*end, "data: [DONE]\n\n"]
+
+
 async def _stream_chat(state: ServerState, req: ParsedRequest, rid: str, prompts_ids: list[list[int]],
                        jobs: list[_Job], choices: _Choices, first: tuple | None) -> AsyncIterator[str]:
     created = int(time.time())
@@ -525,16 +540,12 @@ async def _stream_chat(state: ServerState, req: ParsedRequest, rid: str, prompts
                 logprobs = _chat_logprobs(state, _new_logprobs(out, sent_tokens[job.index]))
             sent_tokens[job.index] = len(out.token_ids)
             if delta or logprobs or out.finished:
-                yield _sse({**head, "choices": [{"index": job.index, "delta": delta, "logprobs": logprobs,
-                                                 "finish_reason": out.finish_reason if out.finished else None,
-                                                 **({"stop_reason": out.stop_reason} if out.finished else {})}],
-                            **extra})
+                yield _chunk(head, extra, job, out, {"delta": delta, "logprobs": logprobs})
             item = await choices.next()
     except ValueError as exc:
         yield _sse(error_body(str(exc)))
-    if req.include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(prompts_ids, jobs, finals)})
-    yield "data: [DONE]\n\n"
+    for line in _stream_end(req, head, prompts_ids, jobs, finals):
+        yield line
 
 
 async def _stream_completion(state: ServerState, req: ParsedRequest, rid: str, prompts_ids: list[list[int]],
@@ -562,13 +573,9 @@ async def _stream_completion(state: ServerState, req: ParsedRequest, rid: str, p
             offsets[job.index] += len(text)
             sent_tokens[job.index] = len(out.token_ids)
             if text or logprobs or out.finished:
-                yield _sse({**head, "choices": [{"index": job.index, "text": text, "logprobs": logprobs,
-                                                 "finish_reason": out.finish_reason if out.finished else None,
-                                                 **({"stop_reason": out.stop_reason} if out.finished else {})}],
-                            **extra})
+                yield _chunk(head, extra, job, out, {"text": text, "logprobs": logprobs})
             item = await choices.next()
     except ValueError as exc:
         yield _sse(error_body(str(exc)))
-    if req.include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(prompts_ids, jobs, finals)})
-    yield "data: [DONE]\n\n"
+    for line in _stream_end(req, head, prompts_ids, jobs, finals):
+        yield line

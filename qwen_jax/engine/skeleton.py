@@ -18,6 +18,7 @@ import numpy as np
 
 from qwen_jax.config import ModelConfig, from_hf_dict, from_native_dict
 from qwen_jax.engine.memory import BlockPool, SlotPool
+from qwen_jax.engine.runner import bucket
 from qwen_jax.models.decoder import forward, init_cache, make_batch
 from qwen_jax.weights import (
     DictSource,
@@ -47,10 +48,6 @@ class _Request:
     slot: int
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # tokens already in the cache
-
-
-def _bucket(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
 
 
 class Engine:
@@ -97,7 +94,7 @@ class Engine:
         except Exception:
             self.remove(new)
             raise
-        seq = _bucket(max(p.size for p in prompts), _MIN_TOKENS_BUCKET)
+        seq = bucket(max(p.size for p in prompts), _MIN_TOKENS_BUCKET)
         tokens = np.zeros((len(prompts), seq), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, :prompt.size] = prompt
@@ -161,7 +158,7 @@ class Engine:
     def _run(self, request_ids: list, tokens: np.ndarray, starts: list[int], lens: list[int]) -> jax.Array:
         """Pad rows up to a batch bucket (padding rows use slot 0 and block 0) and run one jitted step."""
         batch = len(request_ids)
-        rows = min(_bucket(batch), _bucket(self.max_num_seqs))
+        rows = min(bucket(batch), bucket(self.max_num_seqs))
         padded = np.zeros((rows, tokens.shape[1]), np.int32)
         padded[:batch] = tokens
         tables = np.zeros((rows, self.blocks_per_seq), np.int32)
