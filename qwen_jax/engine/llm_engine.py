@@ -142,7 +142,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens, prefix)
         vocab = cfg.vocab_size
         self.runner = ModelRunner(cfg, params, self.num_blocks, block_size, self.max_num_seqs + 1,
-                                  self.num_snapshots if prefix else 0, self.max_num_seqs, self.max_model_len, vocab,
+                                  self.num_snapshots if prefix else 0, self.max_model_len, vocab,
                                   self.eos_token_ids, seed=args["seed"], mesh=self.mesh)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -277,7 +277,7 @@ class LLMEngine:
         else:  # as in vLLM, stop strings count only once min_tokens tokens exist
             text, stop_string = delta, None
         self._text[rid] += text
-        if stop_string is not None and enough:
+        if stop_string is not None:
             self.scheduler.finish(seq, "stop", stop_string)
         elif is_eos and enough:
             self.scheduler.finish(seq, "stop", token)
@@ -285,8 +285,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", token)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, "length")
-        if seq.is_finished and seq.finish_reason == "length":
-            tail = (self._detok[rid].flush() if rid in self._detok else "")
+        if seq.is_finished and stop_string is None:  # release held-back text (a matched stop string cut it already)
+            tail = self._detok[rid].flush() if rid in self._detok else ""
             text2, _ = self._stops[rid].feed(tail)
             self._text[rid] += text2 + self._stops[rid].flush()
         return self._output(seq, finished=seq.is_finished)

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, sample
 from qwen_jax.engine.scheduler import Row
-from qwen_jax.models.decoder import decoder_layer, logits_head, prepare_batch
+from qwen_jax.models.decoder import decoder_layer, logits_head, make_batch, prepare_batch
 from qwen_jax.sampling_params import SamplingParams
 from sharding import rules, step
 from sharding.mesh import make_mesh
@@ -115,7 +115,7 @@ def _save_snapshots(cache, snapshots, src, dst, cfg, mesh):
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, num_blocks: int, block_size: int, num_slots: int,
-                 num_snapshots: int, max_num_seqs: int, max_model_len: int, vocab_size: int,
+                 num_snapshots: int, max_model_len: int, vocab_size: int,
                  eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None):
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules."""
         self.cfg = cfg
@@ -123,7 +123,6 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.step_seed = seed * 1_000_003
@@ -138,21 +137,18 @@ class ModelRunner:
         return min(self.max_blocks_per_seq, bucket(needed, max(1, self.max_blocks_per_seq // 8)))
 
     def _batch(self, rows: list[Row], batch_size: int, seq_len: int) -> dict:
-        width = self._table_width(rows)
         tokens = np.zeros((batch_size, seq_len), np.int32)
         starts = np.zeros(batch_size, np.int32)
         lens = np.zeros(batch_size, np.int32)
         slots = np.zeros(batch_size, np.int32)
-        tables = np.zeros((batch_size, width), np.int32)
+        tables = np.zeros((batch_size, self._table_width(rows)), np.int32)
         for i, r in enumerate(rows):
             ids = r.seq.all_token_ids[r.start:r.start + r.num_tokens]
             tokens[i, :len(ids)] = ids
             starts[i], lens[i] = r.start, r.num_tokens
             slots[i] = r.seq.slot or 0
             tables[i, :len(r.seq.block_table)] = r.seq.block_table
-        positions = starts[:, None] + np.arange(seq_len, dtype=np.int32)[None]
-        return {"tokens": tokens, "positions": positions, "seq_lens": lens, "state_slots": slots,
-                "block_tables": tables, "context_lens": starts + lens}
+        return make_batch(tokens, starts, lens, slots, tables)
 
     def _sampling(self, rows: list[Row], batch_size: int, histories: dict) -> SamplingTensors:
         self.step_seed += 1
@@ -190,14 +186,12 @@ class ModelRunner:
             results += [(r, host, i) for i, r in enumerate(rows)]
         return results
 
-    def _pairs(self, rows: list[Row], attr: str) -> tuple[np.ndarray, np.ndarray]:
-        n = bucket(len(rows))
-        src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        for i, r in enumerate(rows):
-            if attr == "restore":
-                src[i], dst[i] = r.restore_snapshot, r.seq.slot
-            else:
-                src[i], dst[i] = r.seq.slot, r.save_snapshot
+    @staticmethod
+    def _pairs(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) index arrays padded to a bucket with (0, 0): padding copies into the sink entry."""
+        src, dst = np.zeros((2, bucket(len(pairs))), np.int32)
+        for i, (a, b) in enumerate(pairs):
+            src[i], dst[i] = a, b
         return src, dst
 
     def _put(self, *arrays: np.ndarray) -> list[jax.Array]:
@@ -205,12 +199,12 @@ class ModelRunner:
 
     def _restore(self, rows: list[Row]) -> None:
         if rows and self.snapshots is not None:
-            src, dst = self._pairs(rows, "restore")
+            src, dst = self._pairs([(r.restore_snapshot, r.seq.slot) for r in rows])
             self.cache = _restore_snapshots(self.cache, self.snapshots, *self._put(src, dst), cfg=self.cfg,
                                             mesh=self.mesh)
 
     def _save(self, rows: list[Row]) -> None:
         if rows and self.snapshots is not None:
-            src, dst = self._pairs(rows, "save")
+            src, dst = self._pairs([(r.seq.slot, r.save_snapshot) for r in rows])
             self.snapshots = _save_snapshots(self.cache, self.snapshots, *self._put(src, dst), cfg=self.cfg,
                                              mesh=self.mesh)
