@@ -108,3 +108,15 @@ def test_stop_string_before_min_tokens_does_not_count(engines, kit):
     out = llm.generate([prompt], SamplingParams(**params, stop=[once[0]], min_tokens=16))[0]
     assert (out.token_ids, out.text, out.finish_reason) == (full.token_ids, full.text, "length")
     kit.assert_idle(llm)
+
+
+def test_text_held_back_for_a_possible_stop_string_is_released_at_eos(engines, kit):
+    """A stop string that the output only starts to spell is held back while streaming; EOS must release it."""
+    llm = engines("hybrid")
+    greedy = dict(temperature=0.0, max_tokens=6)
+    plain = llm.generate([kit.EOS_PROMPT], SamplingParams(**greedy))[0]
+    assert plain.finish_reason == "stop" and plain.stop_reason == kit.EOS and plain.text
+    unfinished_stop = plain.text + "\u2603"  # the whole output is a prefix of it, so all of it is held back
+    held = llm.generate([kit.EOS_PROMPT], SamplingParams(**greedy, stop=[unfinished_stop]))[0]
+    assert (held.finish_reason, held.stop_reason) == ("stop", kit.EOS)
+    assert held.text == plain.text
