@@ -1,11 +1,13 @@
 """GPU benchmark of the Pallas kernels against their jnp references (`python -m pallas_kernels.bench`): time, achieved
-bandwidth and on-device error per shape, as a markdown table. Never writes files and never touches the model.
+bandwidth (and TFLOP/s for the MoE GEMM) and on-device error per shape, as markdown tables. Never writes files and
+never touches the model. `--only gdn` or `--only moe` runs one kernel.
 
 Exit status: 0 when every kernel configuration lowered, ran and matched its reference; 1 otherwise (the reference
 timings are printed either way); 2 when there is no GPU and --small was not given.
 """
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -17,9 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import moe_gemm
 from pallas_kernels.gdn_decode import gdn_decode, reference
+from qwen_jax.layers.mlp import route
 
 PEAK_TBS = 4.3  # H200 HBM3e
+PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 tensor cores
 # A real indexing or gating bug shows as an error of order 1; float32 rounding as ~1e-6. The slack between: beta is
 # rounded to bf16 (as HF does), and one ulp of difference in the GPU's sigmoid can flip that rounding for a head.
 MAX_REL_ERR = 1e-3
@@ -155,10 +160,85 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# ---- MoE grouped GEMM ------------------------------------------------------------------------------------------
+MOE_FULL = dict(tokens=(1, 8, 64, 256, 4096), experts=256, hidden=2048, inter=512, top_k=8, repeats=20, inner=5)
+MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, top_k=2, repeats=2, inner=1)
+# (block_m or None for the default by token count, block_n, block_k, num_warps, num_stages); the first is the default
+MOE_CONFIGS = [(None, 64, 64, 4, 3), (None, 32, 128, 4, 3), (None, 128, 64, 4, 3), (None, 64, 128, 8, 3),
+               (128, 128, 64, 8, 3)]
+MOE_MAX_REL_ERR = 2e-2  # bf16 outputs; a routing or indexing bug gives errors of order 1
+
+
+def moe_inputs(tokens: int, dims: dict):
+    keys = jax.random.split(jax.random.key(tokens), 5)
+    e, h, i = dims["experts"], dims["hidden"], dims["inter"]
+    x = jax.random.normal(keys[0], (tokens, h)).astype(jnp.bfloat16)
+    router = (jax.random.normal(keys[1], (h, e)) * 0.05).astype(jnp.bfloat16)
+    weights, ids = route(x, router, dims["top_k"], True)
+    w = lambda k, shape: (jax.random.normal(k, shape) * 0.02).astype(jnp.bfloat16)
+    return (x, weights, ids, w(keys[2], (e, h, i)), w(keys[3], (e, h, i)), w(keys[4], (e, i, h)))
+
+
+def time_call(fn: Callable, args: tuple, repeats: int, inner: int) -> float:
+    """Median microseconds per call over `repeats` rounds of `inner` calls queued back to back."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = [fn(*args) for _ in range(inner)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times) * 1e6
+
+
+def _moe_line(lines, tokens, used, moved, flops, ref_us, impl, config, us, err=float("nan"), note=""):
+    tbs = moved / us / 1e6
+    lines.append(f"| {tokens} | {used} | {impl} | {config} | {us:.1f} | {tbs:.2f} | {tbs / PEAK_TBS:.0%} "
+                 f"| {flops / us / 1e6:.1f} | {ref_us / us:.2f}x | {err:.1e} | {note} |")
+    print(lines[-1], flush=True)
+
+
+def bench_moe(dims: dict, configs: list, interpret: bool, deadline: float, failures: list) -> str:
+    lines = ["| tokens | experts read | impl | config | us/call | TB/s (weights read) | of 4.3 TB/s | TFLOP/s "
+             "| vs reference | rel err | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    h, i = dims["hidden"], dims["inter"]
+    for tokens in dims["tokens"]:
+        args = moe_inputs(tokens, dims)
+        used = int(np.unique(np.asarray(args[2])).size)
+        moved = used * 3 * h * i * 2 + tokens * h * 2 * 2  # distinct experts' bf16 weights + x in, out
+        flops = 2 * tokens * dims["top_k"] * 3 * h * i
+        ref = jax.jit(moe_gemm.reference)
+        want = np.asarray(ref(*args), np.float64)
+        ref_us = time_call(ref, args, dims["repeats"], dims["inner"])
+        line = functools.partial(_moe_line, lines, tokens, used, moved, flops, ref_us)
+        line("ragged_dot (XLA)", "-", ref_us)
+        for bm, bn, bk, warps, stages in configs:
+            config = f"BM={bm or moe_gemm.block_rows(tokens * dims['top_k'])} BN={bn} BK={bk} w={warps} s={stages}"
+            if time.perf_counter() > deadline:
+                line("pallas moe_gemm", config, float("nan"), note="skipped: time budget")
+                continue
+            fn = jax.jit(functools.partial(moe_gemm.routed_experts, block_m=bm, block_n=bn, block_k=bk,
+                                           num_warps=warps, num_stages=stages, interpret=interpret))
+            try:
+                got = np.asarray(fn(*args), np.float64)
+                err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+                note = "" if err < MOE_MAX_REL_ERR else f"rel err above {MOE_MAX_REL_ERR:g}"
+                line("pallas moe_gemm", config, time_call(fn, args, dims["repeats"], dims["inner"]), err, note)
+            except Exception as e:  # a lowering or compile error: report it and keep going
+                note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                print("".join(traceback.format_exc(limit=8))[-4000:], file=sys.stderr, flush=True)
+                line("pallas moe_gemm", config, float("nan"), note=note)
+            if note:
+                failures.append(f"moe T={tokens} {config}: {note}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
-    parser.add_argument("--budget-s", type=float, default=70.0, help="start no kernel configuration after this")
+    parser.add_argument("--budget-s", type=float, default=70.0, help="start no kernel configuration after this "
+                        "(per kernel)")
+    parser.add_argument("--only", choices=("gdn", "moe"), help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     backend = jax.default_backend()
@@ -166,16 +246,30 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "cpu" and not args.small:
         print("error: no GPU backend; run with --small for a CPU interpret-mode smoke test", file=sys.stderr)
         return 2
+    interpret = backend == "cpu"
+    failures = []
+    if args.only != "gdn":
+        dims = MOE_SMALL if args.small else MOE_FULL
+        print(f"moe_gemm: E={dims['experts']} H={dims['hidden']} I={dims['inter']} top_k={dims['top_k']}; "
+              f"median of {dims['repeats']} x ({dims['inner']} calls queued, then block)", flush=True)
+        text = bench_moe(dims, MOE_CONFIGS[:2] if args.small else MOE_CONFIGS, interpret,
+                         time.perf_counter() + args.budget_s, failures)
+        print(f"\n### moe_gemm on {jax.devices()[0].device_kind} ({time.perf_counter() - start:.0f} s)\n\n{text}\n")
+    if args.only == "moe":
+        return _report(failures)
     dims = SMALL if args.small else FULL
     configs = [(8, 1)] if args.small else CONFIGS
-    interpret = backend == "cpu"
     print(f"gdn_decode: nk={dims['nk']} nv={dims['nv']} dk={dims['dk']} dv={dims['dv']}, slots = B + 1, "
           f"{dims['repeats']} repeats; queued = {dims['inner']} calls back to back, then block", flush=True)
-    rows, failures = [], []
+    rows, gdn_start = [], time.perf_counter()
     for batch in dims["batches"]:
-        rows += bench_shape(batch, dims, configs, interpret, start + args.budget_s, failures)
-    print(f"\n### gdn_decode on {jax.devices()[0].device_kind} ({time.perf_counter() - start:.0f} s)\n")
+        rows += bench_shape(batch, dims, configs, interpret, gdn_start + args.budget_s, failures)
+    print(f"\n### gdn_decode on {jax.devices()[0].device_kind} ({time.perf_counter() - gdn_start:.0f} s)\n")
     print(table(rows))
+    return _report(failures)
+
+
+def _report(failures: list[str]) -> int:
     if failures:
         print("\nFAILED:\n" + "\n".join(failures), file=sys.stderr)
         return 1

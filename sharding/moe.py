@@ -6,6 +6,7 @@ Same signature and math as qwen_jax.layers.mlp.sparse_moe (the reference); only 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -15,7 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.layers.mlp import linear, route, routed_experts_f32, sparse_moe
+from qwen_jax.layers.mlp import linear, route, routed_experts_impl, sparse_moe
 from qwen_jax.models.decoder import param_shapes
 from sharding.mesh import MODEL_AXES, model_parallel_size
 from sharding.rules import MOE, logical_to_spec
@@ -40,10 +41,12 @@ def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
     shared_axes = _axes(specs["shared_gate"][1]) if "shared_gate" in specs else ()
     local_experts = cfg.num_experts // math.prod(mesh.shape[a] for a in expert_axes)
 
+    routed = routed_experts_impl(cfg.kernels)
+
     def body(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
         weights, ids = route(x, p["router"], top_k, renormalize)
         first = jax.lax.axis_index(expert_axes) * local_experts if expert_axes else 0
-        partials = {routed_axes: routed_experts_f32(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"], first)}
+        partials = {routed_axes: routed(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"], first)}
         if "shared_gate" in p:
             hidden = jax.nn.silu(linear(x, p["shared_gate"])) * linear(x, p["shared_up"])
             shared = jnp.matmul(hidden, p["shared_down"], preferred_element_type=jnp.float32)
@@ -64,5 +67,5 @@ def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
 def moe_impl_for(cfg: ModelConfig, mesh: Mesh) -> Callable:
     """The one place the MoE implementation is chosen: the reference when one device holds every expert."""
     if not cfg.moe_layers or model_parallel_size(mesh) == 1:
-        return sparse_moe
+        return functools.partial(sparse_moe, kernels=cfg.kernels)
     return expert_parallel_moe(cfg, mesh)

@@ -72,7 +72,7 @@ def _api(name: str) -> Any:
 
 
 def build_engine(config_path: str, weight_dir: str | None, device: str, max_num_seqs: int, max_model_len: int,
-                 seed: int = 0) -> tuple[Any, str]:
+                 seed: int = 0, kernels: str | None = None) -> tuple[Any, str]:
     """An engine sized for the trace, and "real" or "random". With `weight_dir` it is `create_engine(config,
     weight_dir, device)`; without, `create_engine(..., load_format="dummy")` when the engine takes that, else
     the Engine class beside create_engine over `decoder.random_params` placed on the device."""
@@ -81,6 +81,8 @@ def build_engine(config_path: str, weight_dir: str | None, device: str, max_num_
     with open(file) as f:
         hf_config = json.load(f)
     kwargs = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
+    if kernels is not None:  # only this repo's engine knows the switch; other engines never see it
+        kwargs["kernels"] = kernels
     if weight_dir is not None:
         return create_engine(hf_config, weight_dir, device, **kwargs), "real"
     if "load_format" in inspect.signature(create_engine).parameters:
@@ -224,7 +226,8 @@ def offline_llm_class() -> Any | None:
         return None
 
 
-def build_llm(model_dir: str, weights: str | None, max_batch: int, max_len: int, batched_tokens: int) -> Any:
+def build_llm(model_dir: str, weights: str | None, max_batch: int, max_len: int, batched_tokens: int,
+              kernels: str | None = None) -> Any:
     """The offline LLM for one-batch runs: dummy weights unless `weights` is given (then it must equal
     `model_dir`, the LLM reads config and checkpoint from one directory), no prefix cache, and a token budget
     that lets the whole batch prefill in one step."""
@@ -234,7 +237,8 @@ def build_llm(model_dir: str, weights: str | None, max_batch: int, max_len: int,
     if weights is not None and os.path.abspath(weights) != os.path.abspath(model_dir):
         raise SystemExit("with --api llm the checkpoint is read from --config's directory; pass the same path")
     return llm_cls(model_dir, load_format="auto" if weights else "dummy", max_num_seqs=max_batch,
-                   max_model_len=max_len, max_num_batched_tokens=batched_tokens, enable_prefix_caching=False)
+                   max_model_len=max_len, max_num_batched_tokens=batched_tokens, enable_prefix_caching=False,
+                   **({"kernels": kernels} if kernels else {}))
 
 
 def llm_one_batch(llm: Any, batch: int, input_len: int, output_len: int, vocab: int, seed: int = 0,
@@ -288,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--input-len", type=int, default=4096)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernels", choices=["reference", "gpu"], default=None,
+                   help="this repo's kernel switch (default: the engine's own default)")
     p.add_argument("--results", default=DEFAULT_RESULTS, help="RESULTS.json to append to; 'none' to skip")
     p.add_argument("--device-name", default=None, help="recorded in RESULTS.json, e.g. 'H200'")
     p.add_argument("--layout", default=None)
@@ -312,7 +318,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if needs:
         max_seqs = max(n for n, _ in needs)
         max_len = max(length for _, length in needs)
-        engine, weights = build_engine(args.config, args.weights, args.device, max_seqs, max_len, args.seed)
+        engine, weights = build_engine(args.config, args.weights, args.device, max_seqs, max_len, args.seed,
+                                       args.kernels)
     out: dict[str, list] = {"traces": [], "one_batch": []}
     for name, trace in traces.items():
         row = bench_trace(engine, name, trace, vocab, args.warmup, args.repeats, args.seed)
@@ -326,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if batches and api == "llm":
         engine = None  # free the trace engine's cache before the LLM allocates its own
         llm = build_llm(args.config, args.weights, max(batches), args.input_len + args.output_len,
-                        max(batches) * args.input_len)
+                        max(batches) * args.input_len, args.kernels)
     for b in batches:
         if api == "llm":
             row = llm_one_batch(llm, b, args.input_len, args.output_len, vocab, args.seed, args.warmup)
@@ -342,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     entry = make_entry(
         "engine", device=args.device_name or jax.devices()[0].device_kind, device_count=jax.device_count(),
         layout=args.layout, model=os.path.basename(os.path.normpath(args.config)), weights=weights,
-        config=args.config, levels=out, label=args.label, scale=args.scale,
+        config=args.config, levels=out, label=args.label, scale=args.scale, kernels=args.kernels,
         argv=["python", "-m", "qwen_jax.bench.engine", *(sys.argv[1:] if argv is None else argv)])
     if args.results and args.results.lower() != "none":
         append_result(entry, args.results)

@@ -101,7 +101,7 @@ def main() -> None:
         mlp = params["layers"][0]["mlp"]
         flat = x.reshape(b, -1)
         if cfg.is_moe_layer(0):
-            f = jax.jit(lambda x, p: sparse_moe(x, p, cfg.num_experts_per_tok, cfg.norm_topk_prob))
+            f = jax.jit(lambda x, p: sparse_moe(x, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.kernels))
         else:
             f = jax.jit(lambda x, p: swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"]))
         row["mlp_ms"] = round(_time(f, flat, mlp)[1] * 1e3, 3)

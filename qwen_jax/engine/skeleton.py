@@ -55,8 +55,9 @@ class Engine:
     [batch, vocab] of each request's last token (a torch tensor when the inputs were torch tensors)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, device: jax.Device, max_num_seqs: int = 8,
-                 max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192):
-        self.cfg = cfg
+                 max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192,
+                 kernels: str = "reference"):
+        self.cfg = cfg = cfg.with_kernels(kernels)  # "gpu": the Pallas kernels (pallas_kernels/) where one exists
         self.max_num_batched_tokens = max_num_batched_tokens
         self.params = params
         self.device = device
@@ -261,7 +262,7 @@ def _open_weights(model_config: dict | None, weight_dir: str) -> tuple[ModelConf
 def create_engine(model_config: dict | None, weight_dir: str, device: str = "cuda", **engine_kwargs) -> Engine:
     """Load `weight_dir` (HF safetensors dir, a dir with the native `model.pt`, or a llama2.c `.bin` / a dir
     holding one) for `model_config` (an HF config dict or the native dict) onto `device` ('cuda', 'cpu' or
-    'auto'). `engine_kwargs`: max_num_seqs, max_model_len, block_size, max_num_batched_tokens."""
+    'auto'). `engine_kwargs`: max_num_seqs, max_model_len, block_size, max_num_batched_tokens, kernels."""
     jax_device = _resolve_device(device)
     cfg, source = _open_weights(model_config, weight_dir)
     params = load_params(cfg, source, place=lambda path, a: jax.device_put(a, jax_device))

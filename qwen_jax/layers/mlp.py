@@ -1,6 +1,6 @@
 """SwiGLU MLP and the sparse mixture of experts (softmax top-k routing, optional shared expert).
 
-Reference math only: the grouped GEMM here is `jax.lax.ragged_dot`; fast kernels live in pallas_kernels/.
+Reference math: the grouped GEMM here is `jax.lax.ragged_dot`; `kernels="gpu"` swaps in pallas_kernels/moe_gemm.py.
 """
 
 import jax
@@ -57,16 +57,21 @@ def routed_experts_f32(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate:
     return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
-def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                    w_down: jax.Array) -> jax.Array:
-    """x: [T, H]; weights, ids: [T, k]; w_gate/w_up: [E, H, I]; w_down: [E, I, H] -> [T, H] (all experts)."""
-    return routed_experts_f32(x, weights, ids, w_gate, w_up, w_down).astype(x.dtype)
+def routed_experts_impl(kernels: str):
+    """The one switch for the routed experts: "reference" (ragged_dot above) or "gpu" (the Pallas grouped GEMM,
+    which reads only the experts that received tokens). Same signature as routed_experts_f32."""
+    if kernels == "gpu":
+        from pallas_kernels.moe_gemm import routed_experts  # lazy: pallas_kernels imports this module
+
+        return routed_experts
+    return routed_experts_f32
 
 
-def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
+def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, kernels: str = "reference") -> jax.Array:
     """Routed experts plus, when present, a shared expert scaled by sigmoid(x @ shared_expert_gate)."""
     weights, ids = route(x, p["router"], top_k, renormalize)
-    out = grouped_experts(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"])
+    routed = routed_experts_impl(kernels)
+    out = routed(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"]).astype(x.dtype)
     if "shared_gate" in p:
         shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
         out = out + jax.nn.sigmoid(linear(x, p["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype) * shared

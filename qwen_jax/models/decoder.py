@@ -10,6 +10,7 @@ all follow it. This module never touches devices or files.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -174,9 +175,10 @@ def prepare_batch(batch: dict) -> dict:
 
 
 def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig, index: int,
-                  moe_impl: Callable = sparse_moe) -> tuple[jax.Array, dict]:
+                  moe_impl: Callable | None = None) -> tuple[jax.Array, dict]:
     """Layer `index`: token mixer (attention or Gated DeltaNet) and MLP/MoE, each pre-normed with a residual.
-    x: [B, S, H]; `batch` comes from prepare_batch. Returns (x, the layer's updated cache)."""
+    x: [B, S, H]; `batch` comes from prepare_batch. Returns (x, the layer's updated cache).
+    `moe_impl` has `sparse_moe`'s signature (default: sparse_moe with cfg.kernels)."""
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     if cfg.layer_types[index] == FULL_ATTENTION:
         h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()))
@@ -186,7 +188,8 @@ def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig,
     h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     flat = h.reshape(-1, h.shape[-1])
     if cfg.is_moe_layer(index):
-        flat = moe_impl(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        moe = moe_impl or functools.partial(sparse_moe, kernels=cfg.kernels)
+        flat = moe(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     else:
         flat = swiglu_mlp(flat, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"])
     return x + flat.reshape(h.shape), c
@@ -203,7 +206,7 @@ def logits_head(x: jax.Array, params: dict, batch: dict, cfg: ModelConfig, all_l
 
 
 def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False,
-            moe_impl: Callable = sparse_moe) -> tuple[jax.Array, dict]:
+            moe_impl: Callable | None = None) -> tuple[jax.Array, dict]:
     """Run new tokens [B, S] of B sequences through the model, reading and updating their cache entries.
     Returns (float32 logits of each row's last real token [B, V], or of every token [B, S, V]; new cache).
     `moe_impl` has `sparse_moe`'s signature; sharding/ swaps in an expert-parallel one chosen from the mesh.

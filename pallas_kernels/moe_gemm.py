@@ -1,0 +1,166 @@
+"""MoE grouped GEMM (routed experts) as two Pallas kernels, with the plain-jnp `reference` beside it.
+
+The (token, expert) pairs are sorted by expert and each expert's group is padded to a multiple of `block_m` rows,
+so every block of rows belongs to one expert (the layout of vLLM's fused_moe). Then
+  1. gate_up: rows @ w_gate[e], rows @ w_up[e] and SwiGLU in one kernel, one program per (row block, column block);
+  2. down:    hidden @ w_down[e], one program per (row block, column block);
+and XLA scales each pair by its routing weight and sums a token's k pairs in float32.
+Only the experts that received tokens are read: at one token that is 8 of 256 experts, where XLA's ragged_dot
+streams every expert's weights (the whole point on the decode path).
+
+Pallas' Triton lowering (as pallas_kernels/gdn_decode.py): the same source runs on the CPU in interpret mode, so
+CI tests the kernel itself, not only its reference. Rounding follows the reference: float32 accumulation, each
+GEMM's result rounded to the model dtype, SiLU in float32 rounded once, bf16 products.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from qwen_jax.layers.mlp import routed_experts_f32 as reference  # noqa: F401  (the jnp reference of this kernel)
+
+
+def _tile(dim: int, preferred: int) -> int:
+    """The largest power of two <= preferred that divides dim (at least 16: Triton's smallest dot tile)."""
+    tile = preferred
+    while tile > 16 and dim % tile:
+        tile //= 2
+    if dim % tile:
+        raise ValueError(f"moe_gemm: dimension {dim} is not a multiple of 16")
+    return tile
+
+
+def block_rows(num_pairs: int) -> int:
+    """Rows per block: small for decode (few rows per expert, memory-bound), larger for prefill (compute-bound)."""
+    return 16 if num_pairs <= 2048 else 64
+
+
+def plan(ids: jax.Array, num_local: int, first_expert: jax.Array | int, block_m: int
+         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Sort the pairs of ids [T, k] by (local) expert into padded groups of whole blocks.
+
+    Returns (pair_of_row [P]: the flat pair index held by each row, T*k on padding rows;
+             row_of_pair [T*k]: where each pair sits, P for pairs of experts held elsewhere;
+             block_expert [NB]: each block's expert; num_blocks [1]: how many blocks are in use).
+    NB covers the worst case: one partial block per non-empty expert plus the full ones."""
+    num_pairs = ids.size
+    num_blocks_max = -(-num_pairs // block_m) + min(num_local, num_pairs)
+    rows = num_blocks_max * block_m
+    expert = ids.reshape(-1) - first_expert
+    local = (expert >= 0) & (expert < num_local)
+    expert = jnp.where(local, expert, num_local)  # sorts after every local group
+    counts = jnp.bincount(expert, length=num_local + 1)[:num_local]
+    padded = -(-counts // block_m) * block_m
+    padded_end = jnp.cumsum(padded)
+    group_start = padded_end - padded
+    order = jnp.argsort(expert, stable=True)
+    sorted_expert = expert[order]
+    first_of_expert = jnp.cumsum(counts) - counts  # unpadded start of each group in `order`
+    safe = jnp.minimum(sorted_expert, num_local - 1)
+    row = group_start[safe] + jnp.arange(num_pairs) - first_of_expert[safe]
+    row = jnp.where(sorted_expert < num_local, row, rows)
+    row_of_pair = jnp.zeros(num_pairs, jnp.int32).at[order].set(row.astype(jnp.int32))
+    pair_of_row = jnp.full(rows, num_pairs, jnp.int32).at[row].set(order.astype(jnp.int32), mode="drop")
+    block_start = jnp.arange(num_blocks_max) * block_m
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, block_start, side="right"), num_local - 1)
+    num_blocks = (padded_end[-1] // block_m).reshape(1)
+    return pair_of_row, row_of_pair, block_expert.astype(jnp.int32), num_blocks.astype(jnp.int32)
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)  # tensor cores, float32 accumulation
+
+
+def _silu_f32(x):
+    return x / (1.0 + jnp.exp(-x))
+
+
+def _gate_up_kernel(block_expert_ref, num_blocks_ref, rows_ref, w_gate_ref, w_up_ref, out_ref,
+                    *, block_m: int, block_n: int, block_k: int):
+    b, n = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(b < num_blocks_ref[0])
+    def _():
+        e = block_expert_ref[b]
+        m_rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
+        cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+
+        def body(i, acc):
+            ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+            x = rows_ref[m_rows, ks]
+            return acc[0] + _dot(x, w_gate_ref[e, ks, cols]), acc[1] + _dot(x, w_up_ref[e, ks, cols])
+
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        gate, up = jax.lax.fori_loop(0, rows_ref.shape[1] // block_k, body, (zeros, zeros))
+        dtype = out_ref.dtype
+        gate = _silu_f32(gate.astype(dtype).astype(jnp.float32)).astype(dtype)
+        out_ref[m_rows, cols] = (gate.astype(jnp.float32) * up.astype(dtype).astype(jnp.float32)).astype(dtype)
+
+
+def _down_kernel(block_expert_ref, num_blocks_ref, hidden_ref, w_down_ref, out_ref,
+                 *, block_m: int, block_n: int, block_k: int):
+    b, n = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(b < num_blocks_ref[0])
+    def _():
+        e = block_expert_ref[b]
+        m_rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
+        cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+
+        def body(i, acc):
+            ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+            return acc + _dot(hidden_ref[m_rows, ks], w_down_ref[e, ks, cols])
+
+        acc = jax.lax.fori_loop(0, hidden_ref.shape[1] // block_k, body,
+                                jnp.zeros((block_m, block_n), jnp.float32))
+        out_ref[m_rows, cols] = acc.astype(out_ref.dtype)
+
+
+def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton  # GPU only
+
+        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret,
+                          compiler_params=compiler_params, name=name)
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_m: int | None = None,
+                   block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
+                   interpret: bool | None = None) -> jax.Array:
+    """Same contract as `reference` (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
+    w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
+    (pairs routed to experts held elsewhere add nothing). interpret=None interprets on CPU only."""
+    num_tokens, top_k = ids.shape
+    num_local, hidden, inter = w_gate.shape
+    num_pairs = num_tokens * top_k
+    block_m = block_m or block_rows(num_pairs)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    pair_of_row, row_of_pair, block_expert, num_blocks = plan(ids, num_local, first_expert, block_m)
+    num_blocks_max = block_expert.shape[0]
+    rows = x[jnp.minimum(pair_of_row, num_pairs - 1) // top_k]  # padding rows copy a real row: finite, unused
+
+    bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
+    gate_up = _call(functools.partial(_gate_up_kernel, block_m=block_m, block_n=bn, block_k=bk),
+                    jax.ShapeDtypeStruct((rows.shape[0], inter), x.dtype), (num_blocks_max, inter // bn),
+                    interpret, num_warps, num_stages, "moe_gate_up")
+    hidden_rows = gate_up(block_expert, num_blocks, rows, w_gate, w_up)
+
+    bn, bk = _tile(hidden, block_n), _tile(inter, block_k)
+    down = _call(functools.partial(_down_kernel, block_m=block_m, block_n=bn, block_k=bk),
+                 jax.ShapeDtypeStruct((rows.shape[0], hidden), x.dtype), (num_blocks_max, hidden // bn),
+                 interpret, num_warps, num_stages, "moe_down")
+    out_rows = down(block_expert, num_blocks, hidden_rows, w_down)
+
+    # Rows of unused blocks are never written: read only the rows that hold a local pair.
+    local = row_of_pair < rows.shape[0]
+    per_pair = out_rows[jnp.where(local, row_of_pair, 0)] * weights.reshape(-1)[:, None]  # bf16 product
+    per_pair = jnp.where(local[:, None], per_pair.astype(jnp.float32), 0.0)
+    return per_pair.reshape(num_tokens, top_k, hidden).sum(axis=1)
