@@ -130,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     from server.app import ServerConfig, create_app
 
     engine = AsyncLLM.from_engine_args(model, **engine_args(args))
+    # --max-num-seqs is per data-parallel replica (as in vLLM): the engine runs dp times as many sequences at once.
+    running = (args.max_num_seqs or 64) * (args.data_parallel_size or 1)
     config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
-                          max_num_seqs=args.max_num_seqs or 64, max_queue_len=args.max_queue_len,
+                          max_num_seqs=running, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_request_bytes)
     app = create_app(engine, config)
     return asyncio.run(serve(app, args.host, args.port, args.graceful_timeout))

@@ -42,7 +42,7 @@ PROTECTED_PREFIXES = ("/v1/", "/invocations", "/tokenize")
 class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
-    max_num_seqs: int = 64  # the engine's batch; admission allows this many running plus the queue
+    max_num_seqs: int = 64  # the engine's batch (all replicas); admission allows this many running plus the queue
     max_queue_len: int = 1024  # engine requests allowed to wait beyond max_num_seqs; more get 503
     max_body_bytes: int = 4 * 1024 * 1024
 

@@ -39,6 +39,16 @@ def make_mesh(tensor_parallel_size: int | None = None, data_parallel_size: int =
     return Mesh(np.array(devices[:dp * tp], dtype=object).reshape(shape), AXES)
 
 
+def replica_meshes(tensor_parallel_size: int | None = None, data_parallel_size: int = 1,
+                   enable_expert_parallel: bool = False, devices: Sequence[jax.Device] | None = None) -> list[Mesh]:
+    """One mesh per data-parallel replica, for an engine that runs each replica as its own model: replica i gets
+    the i-th row of make_mesh's (data, ...) device grid, i.e. devices [i*tp, (i+1)*tp) in host-major order, as a
+    (1, expert, tensor) mesh of its own."""
+    whole = make_mesh(tensor_parallel_size, data_parallel_size, enable_expert_parallel, devices)
+    return [make_mesh(model_parallel_size(whole), 1, enable_expert_parallel, devices=list(row.flat))
+            for row in whole.devices]
+
+
 def model_parallel_size(mesh: Mesh) -> int:
     """How many devices split one replica's weights (expert x tensor)."""
     return int(np.prod([mesh.shape[a] for a in MODEL_AXES]))

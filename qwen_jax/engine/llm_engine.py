@@ -1,7 +1,8 @@
-"""LLMEngine: the synchronous engine loop (add requests, step, collect outputs) over scheduler + runner, with
-model loading and memory sizing at start-up.
+"""LLMEngine: the synchronous engine loop (add requests, step, collect outputs) over one EngineCore (scheduler +
+runner + cache pools, sized at start-up) per data-parallel replica, with model loading.
 
-One thread drives it (the offline LLM directly, AsyncLLM from its loop thread); it is not thread-safe itself.
+One thread drives it (the offline LLM directly, AsyncLLM from its loop thread); it is not thread-safe itself. With
+several replicas it steps them on threads of its own, which touch only their own core.
 """
 
 from __future__ import annotations
@@ -10,18 +11,14 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from qwen_jax.config import ModelConfig, from_hf_dict
+from qwen_jax.engine.core import EngineCore
 from qwen_jax.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from qwen_jax.engine.memory import BlockPool, SlotPool
-from qwen_jax.engine.prefix_cache import PrefixCache
-from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.sampler import TokenHistory
-from qwen_jax.engine.scheduler import Scheduler
 from qwen_jax.engine.sequence import Sequence
 from qwen_jax.outputs import RequestOutput, TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
@@ -32,22 +29,26 @@ log = logging.getLogger("qwen_jax")
 
 ENGINE_ARGS = dict(
     max_model_len=None,  # default: the model's max_position_embeddings, capped at 8192
-    max_num_seqs=64,
-    max_num_batched_tokens=2048,
+    max_num_seqs=64,  # per data-parallel replica (as vLLM's is per DP rank)
+    max_num_batched_tokens=2048,  # per replica and step
     gpu_memory_utilization=0.9,
     enable_prefix_caching=True,
     tensor_parallel_size=1,
-    data_parallel_size=1,
+    data_parallel_size=1,  # D independent replicas in this process, replica i on devices [i*tp, (i+1)*tp)
     enable_expert_parallel=False,
     load_format="auto",  # "auto": read the checkpoint; "dummy": random weights with the real shapes
     dtype="auto",
-    kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one (one device)
+    kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one (tp 1 only)
     seed=0,
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
     cpu_cache_budget_gib=2.0,  # cache memory on a CPU backend (no device memory statistics there)
     num_kv_blocks=None,  # usable KV blocks, overriding the memory-derived count (tests, reproducible sizing)
 )
+"""The engine arguments (vLLM's names) and their defaults. With data_parallel_size D the engine runs D replicas,
+each with its own weights and cache: max_num_seqs, max_num_batched_tokens, num_kv_blocks, num_snapshots and the
+memory sizing apply to each replica (so D x max_num_seqs sequences run at once), as in vLLM, where they are per
+DP rank."""
 
 
 def resolve_model(model: str | None) -> str:
@@ -102,49 +103,47 @@ def eos_ids(model_path: str, cfg: ModelConfig, tokenizer) -> list[int]:
 
 
 class LLMEngine:
+    """The front of the engine: tokenizer, detokenizers, stop rules, request bookkeeping and outputs, over one
+    EngineCore per data-parallel replica (each its own model on its own devices; one core when
+    data_parallel_size is 1). Requests go to the replica with the fewest unfinished requests and stay there; a step
+    runs every replica that has work, concurrently on a thread per replica when there are several."""
+
     def __init__(self, model: str | None = None, **engine_args):
         unknown = set(engine_args) - set(ENGINE_ARGS)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         args = {**ENGINE_ARGS, **engine_args}
-        if int(args["data_parallel_size"]) != 1:
-            raise NotImplementedError("data_parallel_size > 1 is not wired into the engine yet: it needs per-replica "
-                                      "block/slot pools and batch rows in the scheduler and runner (sharding/ has "
-                                      "the layout); use tensor_parallel_size and enable_expert_parallel")
         if args["load_format"] not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {args['load_format']!r} (auto or dummy)")
         self.model_path = resolve_model(model)
         distributed.initialize()  # multi-host: join the other processes (a no-op on one host)
-        # Weights, cache and batches are laid out over this mesh by sharding/rules.py; one device is a 1x1x1 mesh.
-        self.mesh = mesh.make_mesh(int(args["tensor_parallel_size"]), 1, bool(args["enable_expert_parallel"]))
+        dp = int(args["data_parallel_size"])
+        if dp > 1 and jax.process_count() > 1:
+            raise NotImplementedError("data_parallel_size > 1 runs in one process only: with several hosts, start "
+                                      "one engine (server) per replica instead")
+        # Replica i's weights, cache and batches are laid out over its own mesh (devices [i*tp, (i+1)*tp)) by
+        # sharding/rules.py; one device is a 1x1x1 mesh.
+        replica_meshes = mesh.replica_meshes(int(args["tensor_parallel_size"]), dp,
+                                             bool(args["enable_expert_parallel"]))
         cfg = self.cfg = read_model_config(self.model_path, args["dtype"]).with_kernels(args["kernels"])
-        if cfg.kernels == "gpu" and self.mesh.size > 1:
-            raise NotImplementedError("kernels='gpu' runs on one device only so far (Pallas calls are not partitioned)")
+        if cfg.kernels == "gpu" and replica_meshes[0].size > 1:
+            raise NotImplementedError("kernels='gpu' runs a replica on one device only so far (Pallas calls are not "
+                                      "partitioned): use tensor_parallel_size=1 (data_parallel_size may be > 1)")
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_ids(self.model_path, cfg, self.tokenizer)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
-        self.max_num_seqs = int(args["max_num_seqs"])
-        self.max_num_batched_tokens = int(args["max_num_batched_tokens"])
         t0 = time.perf_counter()
-        if args["load_format"] == "dummy":  # only config.json is needed (no weights on disk)
-            params = dummy_params(cfg, seed=args["seed"], shardings=rules.param_shardings(cfg, self.mesh))
-        else:  # each tensor goes straight into its shards
-            params = load_params(cfg, open_checkpoint(self.model_path)[1], place=rules.make_place(cfg, self.mesh),
-                                 progress=os.environ.get("QWEN_JAX_PROGRESS", "1") == "1")
-        jax.block_until_ready(params)
+        replica_params = self._load_params(args, replica_meshes)
+        jax.block_until_ready(replica_params)
         self.load_seconds = time.perf_counter() - t0
-        self._size_memory(args, params)
-        block_size = int(args["block_size"])
-        self.blocks = BlockPool(self.num_blocks, block_size)
-        self.slots = SlotPool(self.max_num_seqs + 1) if cfg.is_hybrid else None
-        prefix = PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid) if args["enable_prefix_caching"] else None
-        self.prefix_cache = prefix
-        self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens, prefix)
-        vocab = cfg.vocab_size
-        self.runner = ModelRunner(cfg, params, self.num_blocks, block_size, self.max_num_seqs + 1,
-                                  self.num_snapshots if prefix else 0, self.max_model_len, vocab,
-                                  self.eos_token_ids, seed=args["seed"], mesh=self.mesh)
+        # Distinct sampling seeds per replica (seed * dp + i): unseeded rows of two replicas draw different numbers.
+        self.cores = [EngineCore(i, cfg, params, m, args, self.max_model_len, self.eos_token_ids,
+                                 seed=int(args["seed"]) * dp + i)
+                      for i, (params, m) in enumerate(zip(replica_params, replica_meshes, strict=True))]
+        # Replicas step concurrently (JAX releases the GIL while their devices compute); one replica needs no thread.
+        self._pool = ThreadPoolExecutor(dp, thread_name_prefix="qwen-jax-replica") if dp > 1 else None
         self.seqs: dict[str, Sequence] = {}
+        self._core: dict[str, EngineCore] = {}  # request -> the replica it runs on, for its whole life
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stops: dict[str, StopChecker] = {}
         self._histories: dict[str, TokenHistory] = {}
@@ -153,48 +152,24 @@ class LLMEngine:
         self._sent: dict[str, tuple[int, int]] = {}  # request -> (tokens, characters) already reported
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("loaded %s in %.1fs on %s; KV cache %d blocks x %d tokens (%d tokens), %d sequences at once, "
-                 "%d state snapshots", self.model_path, self.load_seconds, mesh.describe(self.mesh),
-                 self.num_blocks - 1, block_size,
-                 (self.num_blocks - 1) * block_size, self.max_num_seqs, self.num_snapshots)
+        log.info("loaded %s in %.1fs; %s; total over %d replica(s): %d sequences at once, %d KV cache tokens",
+                 self.model_path, self.load_seconds, "; ".join(c.describe() for c in self.cores), dp,
+                 sum(c.max_num_seqs for c in self.cores), sum(c.num_tokens for c in self.cores))
 
-    # ---- memory sizing ---------------------------------------------------------------------------------------
-    def _size_memory(self, args: dict, params: dict) -> None:
-        """Cache sizes from the tightest device of the mesh: its free memory and its shard of a block / slot."""
+    def _load_params(self, args: dict, replica_meshes: list) -> list[dict]:
+        """One params pytree per replica, each made straight in its replica's shards. A checkpoint is read once:
+        each tensor is placed into every replica before the next is read. Dummy weights: every replica draws the
+        same seed, so the replicas are identical."""
         cfg = self.cfg
-        block_size = int(args["block_size"])
-        per_block = rules.cache_bytes_per_device(cfg, self.mesh, 1, block_size, 0)  # KV pages of every layer
-        per_slot = rules.cache_bytes_per_device(cfg, self.mesh, 0, block_size, 1)  # GDN state of every layer
-        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-        stats = [d.memory_stats() or {} for d in local]
-        if all("bytes_limit" in s for s in stats):
-            # 5% of each device held back for activations and compiled programs
-            budget = min(s["bytes_limit"] * (float(args["gpu_memory_utilization"]) - 0.05) - s["bytes_in_use"]
-                         for s in stats)
-        else:
-            budget = float(args["cpu_cache_budget_gib"]) * 2**30
-        if jax.process_count() > 1:  # every host must build the same cache shapes
-            budget = float(np.min(multihost_utils.process_allgather(np.float64(budget))))
-        blocks_per_seq = -(-self.max_model_len // block_size)
-        state_bytes = (self.max_num_seqs + 1) * per_slot
-        snapshots = args["num_snapshots"]
-        if snapshots is None:
-            snapshots = (2 * self.max_num_seqs + 1) if per_slot else 0
-            snapshots = int(min(snapshots, 0.2 * max(budget - state_bytes, 0) // max(per_slot, 1)))
-        self.num_snapshots = int(snapshots) if (cfg.is_hybrid and args["enable_prefix_caching"]) else 0
-        left = budget - state_bytes - self.num_snapshots * per_slot
-        wanted = 2 * self.max_num_seqs * blocks_per_seq + 1  # room for every sequence at full length, plus cache
-        fits = int(left // per_block) if per_block else wanted
-        self.num_blocks = max(2, min(wanted, fits))
-        if args["num_kv_blocks"] is not None:
-            self.num_blocks = int(args["num_kv_blocks"]) + 1  # + the reserved padding sink
-        if self.num_blocks - 1 < blocks_per_seq:
-            raise ValueError(f"only {self.num_blocks - 1} KV blocks fit in memory, one sequence of max_model_len "
-                             f"{self.max_model_len} needs {blocks_per_seq}: lower max_model_len or raise "
-                             f"gpu_memory_utilization")
-        if state_bytes > budget:
-            raise ValueError(f"recurrent state for {self.max_num_seqs} sequences needs {state_bytes / 2**30:.1f} GiB, "
-                             f"{budget / 2**30:.1f} GiB are free: lower max_num_seqs")
+        if args["load_format"] == "dummy":  # only config.json is needed (no weights on disk)
+            return [dummy_params(cfg, seed=args["seed"], shardings=rules.param_shardings(cfg, m))
+                    for m in replica_meshes]
+        places = [rules.make_place(cfg, m) for m in replica_meshes]
+        copies = load_params(cfg, open_checkpoint(self.model_path)[1],
+                             place=lambda path, array: tuple(place(path, array) for place in places),
+                             progress=os.environ.get("QWEN_JAX_PROGRESS", "1") == "1")
+        return [jax.tree.map(lambda leaf, i=i: leaf[i], copies, is_leaf=lambda x: isinstance(x, tuple))
+                for i in range(len(places))]
 
     # ---- requests --------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -213,8 +188,10 @@ class LLMEngine:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params)
-        self.scheduler.add(seq)
+        core = min(self.cores, key=lambda c: c.num_unfinished)  # the least busy replica (ties: the lowest index)
+        core.add(seq)
         self.seqs[request_id] = seq
+        self._core[request_id] = core
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                              params.skip_special_tokens)
@@ -230,20 +207,22 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        self._core[request_id].finish(seq, "abort")
         return self._output(seq, finished=True)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return any(c.has_work for c in self.cores)
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return []
-        results = self.runner.run(plan.decode, plan.prefill, self._histories, self.max_num_batched_tokens)
-        self.scheduler.complete(plan)
+        """One step of every replica that has work (concurrently when several do), then the sampled tokens are
+        applied here, on the calling thread (the only one that touches the engine's bookkeeping)."""
+        busy = [c for c in self.cores if c.has_work]
+        if len(busy) > 1:
+            results = [r for rs in self._pool.map(lambda c: c.step(self._histories), busy) for r in rs]
+        else:
+            results = busy[0].step(self._histories) if busy else []
         outputs = []
         now = time.time()
         for row, out, i in results:
@@ -277,14 +256,15 @@ class LLMEngine:
         else:  # as in vLLM, stop strings count only once min_tokens tokens exist
             text, stop_string = delta, None
         self._text[rid] += text
+        core = self._core[rid]
         if stop_string is not None:
-            self.scheduler.finish(seq, "stop", stop_string)
+            core.finish(seq, "stop", stop_string)
         elif is_eos and enough:
-            self.scheduler.finish(seq, "stop", token)
+            core.finish(seq, "stop", token)
         elif token in params.stop_token_ids and enough:
-            self.scheduler.finish(seq, "stop", token)
+            core.finish(seq, "stop", token)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
+            core.finish(seq, "length")
         if seq.is_finished and stop_string is None:  # release held-back text (a matched stop string cut it already)
             tail = self._detok[rid].flush() if rid in self._detok else ""
             text2, _ = self._stops[rid].feed(tail)
@@ -308,18 +288,16 @@ class LLMEngine:
         return out
 
     def _forget(self, rid: str) -> None:
-        for d in (self.seqs, self._detok, self._stops, self._histories, self._sent, self._text, self._logprobs):
+        for d in (self.seqs, self._core, self._detok, self._stops, self._histories, self._sent, self._text,
+                  self._logprobs):
             d.pop(rid, None)
 
     # ---- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        s = self.scheduler
-        return {
-            "num_running": len(s.running), "num_waiting": len(s.waiting),
-            "kv_blocks_used": self.blocks.num_usable - self.blocks.num_free, "kv_blocks_total": self.blocks.num_usable,
-            "state_slots_used": (self.slots.num_slots - 1 - self.slots.num_free) if self.slots else 0,
-            "state_slots_total": (self.slots.num_slots - 1) if self.slots else 0,
-            "prefix_cache_queries": self.prefix_cache.queries if self.prefix_cache else 0,
-            "prefix_cache_hits": self.prefix_cache.hits if self.prefix_cache else 0,
-            "prompt_tokens_total": self.prompt_tokens_total, "generation_tokens_total": self.generation_tokens_total,
-        }
+        """Counters summed over the replicas (EngineCore.stats has each replica's own)."""
+        totals: dict[str, int] = {}
+        for core in self.cores:
+            for key, value in core.stats().items():
+                totals[key] = totals.get(key, 0) + value
+        return {**totals, "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total}

@@ -138,10 +138,11 @@ def assert_idle(llm: LLM) -> None:
     stats = engine.stats()
     assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
     assert (stats["kv_blocks_used"], stats["state_slots_used"]) == (0, 0)
-    assert engine.blocks.num_free == engine.blocks.num_usable
-    assert not any(engine.blocks.ref_counts)
-    if engine.slots is not None:
-        assert engine.slots.num_free == engine.slots.num_slots - 1 and not engine.slots.in_use
+    for core in engine.cores:
+        assert core.blocks.num_free == core.blocks.num_usable
+        assert not any(core.blocks.ref_counts)
+        if core.slots is not None:
+            assert core.slots.num_free == core.slots.num_slots - 1 and not core.slots.in_use
     assert not engine.seqs
 
 

@@ -35,14 +35,15 @@ def stub_run(decode, prefill, histories, max_batched_tokens):
 def engine(hybrid_dir):
     engine = LLMEngine(hybrid_dir, max_model_len=24, max_num_seqs=3, max_num_batched_tokens=12, block_size=4,
                        num_kv_blocks=7, num_snapshots=2, enable_prefix_caching=True)
-    engine.runner.run = stub_run
+    engine.cores[0].runner.run = stub_run
     return engine
 
 
 def check_books(engine: LLMEngine) -> None:
     """Every reference count equals the number of live sequences holding the block; the free list is exactly the
     unreferenced blocks; slots in use are exactly those of running sequences; the prefix index is a bijection."""
-    sched, blocks = engine.scheduler, engine.blocks
+    core = engine.cores[0]
+    sched, blocks = core.scheduler, core.blocks
     live = list(sched.running) + list(sched.waiting)
     holders = [0] * blocks.num_blocks
     for seq in live:
@@ -50,10 +51,10 @@ def check_books(engine: LLMEngine) -> None:
             holders[b] += 1
     assert blocks.ref_counts == holders
     assert set(blocks.free) == {b for b in range(1, blocks.num_blocks) if holders[b] == 0}
-    assert engine.slots.in_use == {s.slot for s in sched.running}
+    assert core.slots.in_use == {s.slot for s in sched.running}
     assert all(s.slot is None and s.status == Status.WAITING for s in sched.waiting)
-    assert len(sched.running) <= engine.max_num_seqs
-    cache = engine.prefix_cache
+    assert len(sched.running) <= core.max_num_seqs
+    cache = core.prefix_cache
     assert {b: h for h, b in cache.block_of.items()} == cache.hash_of
     assert 0 not in cache.hash_of
 
@@ -88,7 +89,8 @@ def test_random_add_abort_step_never_leaks(engine, ops):
         engine.abort(rid)
     check_books(engine)
     assert not engine.has_unfinished and not engine.seqs
-    assert not any(engine.blocks.ref_counts) and engine.blocks.num_free == engine.blocks.num_usable
-    assert engine.slots.num_free == engine.slots.num_slots - 1
+    core = engine.cores[0]
+    assert not any(core.blocks.ref_counts) and core.blocks.num_free == core.blocks.num_usable
+    assert core.slots.num_free == core.slots.num_slots - 1
     stats = engine.stats()
     assert (stats["kv_blocks_used"], stats["state_slots_used"], stats["num_running"]) == (0, 0, 0)

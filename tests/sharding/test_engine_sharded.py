@@ -52,9 +52,9 @@ def _generate_twice(llm: LLM) -> list:
     """The prompts, then the same prompts again: the second round hits the prefix cache (KV blocks and a restored
     recurrent-state snapshot)."""
     first = llm.generate(PROMPTS, GREEDY)
-    queries = llm.engine.prefix_cache.hits
+    hits = llm.engine.stats()["prefix_cache_hits"]
     second = llm.generate(PROMPTS, GREEDY)
-    assert llm.engine.prefix_cache.hits > queries, "the second round must hit the prefix cache"
+    assert llm.engine.stats()["prefix_cache_hits"] > hits, "the second round must hit the prefix cache"
     return first + second
 
 
@@ -67,7 +67,7 @@ def reference(model_dir) -> list:
 def test_sharded_engine_matches_single_device(model_dir, reference, layout):
     tp, ep = LAYOUTS[layout]
     llm = LLM(model_dir, tensor_parallel_size=tp, enable_expert_parallel=ep, **ENGINE_ARGS)
-    m = llm.engine.mesh
+    m = llm.engine.cores[0].mesh
     assert mesh.model_parallel_size(m) == tp and m.shape[mesh.EXPERT] == (tp if ep else 1)
     outputs = _generate_twice(llm)
     for out, ref in zip(outputs, reference, strict=True):
@@ -82,7 +82,8 @@ def test_sharded_engine_matches_single_device(model_dir, reference, layout):
 
 def _assert_weights_split(llm: LLM, n: int) -> None:
     """Each of the n devices holds total/n of the weights plus the few leaves the rules replicate."""
-    cfg, m, params = llm.engine.cfg, llm.engine.mesh, llm.engine.runner.params
+    core = llm.engine.cores[0]
+    cfg, m, params = llm.engine.cfg, core.mesh, core.runner.params
     per_device = rules.bytes_per_device(params)
     assert set(per_device) == set(m.devices.flat)
     specs = jax.tree.leaves(rules.param_specs(cfg, m), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -103,10 +104,10 @@ def _assert_weights_split(llm: LLM, n: int) -> None:
 
 def _assert_cache_split(llm: LLM) -> None:
     """KV pages and GDN state (and the prefix-cache snapshots) take their rules' per-device share."""
-    engine = llm.engine
-    runner = engine.runner
-    expected = rules.cache_bytes_per_device(engine.cfg, engine.mesh, engine.num_blocks, runner.block_size,
-                                            engine.max_num_seqs + 1)
+    core = llm.engine.cores[0]
+    runner = core.runner
+    expected = rules.cache_bytes_per_device(core.cfg, core.mesh, core.num_blocks, runner.block_size,
+                                            core.max_num_seqs + 1)
     assert set(rules.bytes_per_device(runner.cache).values()) == {expected}
     whole = sum(a.nbytes for a in jax.tree.leaves(runner.cache))
     assert expected < whole  # GDN state is split over heads at every size

@@ -1,0 +1,186 @@
+"""Data-parallel replicas inside one engine: data_parallel_size=2 x tensor_parallel_size=2 and data_parallel_size=4
+generate the single-replica greedy tokens, spread requests over replicas that each hold their own weights and cache
+on their own devices, step them on threads of their own, free an aborted request's memory on its replica, and report
+stats summed over replicas.
+
+Tiny float32 HF checkpoints (a hybrid Qwen3.5-MoE: GDN + attention, 8 experts top-2 + shared expert; a LLaMA) are
+built once; engines are built once per (model, layout)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from qwen_jax import LLM, SamplingParams
+from qwen_jax.engine.llm_engine import LLMEngine
+from sharding import rules
+
+LAYOUTS = {"dp1": (1, 1), "dp2xtp2": (2, 2), "dp4": (4, 1)}  # (data_parallel_size, tensor_parallel_size)
+# Prompts of at most 12 tokens plus 4 new ones fit one 16-token block and prefill in one chunk, so each replica
+# compiles one prefill and one decode shape (compiling is what this test spends its time on; 4 replicas compile 4x).
+ENGINE_ARGS = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=128, block_size=16, num_kv_blocks=8,
+                   num_snapshots=4, seed=0, enable_prefix_caching=True)
+PROMPTS = [[int(t) for t in np.random.default_rng(seed).integers(2, 128, n)]
+           for seed, n in enumerate((5, 12, 9, 3, 11, 7))]
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _hybrid_moe() -> transformers.PreTrainedModel:
+    return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        max_position_embeddings=128, initializer_range=0.1, eos_token_id=1, attn_implementation="eager"))
+
+
+def _llama() -> transformers.PreTrainedModel:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=64, max_position_embeddings=128, initializer_range=0.1, eos_token_id=1))
+
+
+MODELS = {"qwen3_5_moe": _hybrid_moe, "llama": _llama}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    dirs = {}
+    for name, build in MODELS.items():
+        torch.manual_seed(0)
+        directory = tmp_path_factory.mktemp("data_parallel") / name
+        build().float().save_pretrained(directory)
+        config_file = directory / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_type": name}))
+        dirs[name] = str(directory)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs):
+    """engines(model, layout) -> an LLM, built once per module."""
+    made: dict[tuple[str, str], LLM] = {}
+
+    def get(model: str, layout: str) -> LLM:
+        if (model, layout) not in made:
+            dp, tp = LAYOUTS[layout]
+            made[model, layout] = LLM(model_dirs[model], data_parallel_size=dp, tensor_parallel_size=tp,
+                                      **ENGINE_ARGS)
+        return made[model, layout]
+
+    return get
+
+
+def _generate(engine: LLMEngine, tag: str) -> tuple[list, list[int], set[str]]:
+    """Run PROMPTS to completion: (outputs in prompt order, requests per replica after adding them all, names of
+    the threads that ran replica steps)."""
+    ids = [f"{tag}-{i}" for i in range(len(PROMPTS))]
+    for rid, prompt in zip(ids, PROMPTS, strict=True):
+        engine.add_request(rid, prompt, GREEDY)
+    per_replica = [core.num_unfinished for core in engine.cores]
+    threads: set[str] = set()
+    steps = {core: core.step for core in engine.cores}
+    for core in engine.cores:  # record which thread runs each replica's step
+        core.step = lambda histories, core=core: (threads.add(threading.current_thread().name),
+                                                  steps[core](histories))[1]
+    final = {}
+    try:
+        while engine.has_unfinished:
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+    finally:
+        for core in engine.cores:
+            del core.step
+    return [final[rid] for rid in ids], per_replica, threads
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("layout", ["dp2xtp2", "dp4"])
+def test_replicas_generate_the_single_replica_tokens(engines, model, layout):
+    reference, per_replica, threads = _generate(engines(model, "dp1").engine, f"ref-{layout}")
+    assert per_replica == [6] and threads == {threading.main_thread().name}  # one replica: no extra thread
+    engine = engines(model, layout).engine
+    dp, tp = LAYOUTS[layout]
+    outputs, per_replica, threads = _generate(engine, layout)
+    # Least-busy routing: 6 requests over 2 replicas are 3 + 3, over 4 replicas 2 + 2 + 1 + 1.
+    assert per_replica == {2: [3, 3], 4: [2, 2, 1, 1]}[dp]
+    assert threads and all(name.startswith("qwen-jax-replica") for name in threads)  # stepped on the pool
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.token_ids == ref.token_ids and len(out.token_ids) == GREEDY.max_tokens
+        got = np.array([lp.logprob for lp in out.logprobs])
+        want = np.array([lp.logprob for lp in ref.logprobs])
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), f"{layout}: logprobs differ"
+    _assert_replica_layout(engine, dp, tp)
+
+
+def _assert_replica_layout(engine: LLMEngine, dp: int, tp: int) -> None:
+    """Replica i holds its own copy of the weights (equal to replica 0's) and its own cache, on devices
+    [i*tp, (i+1)*tp) only."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    assert len(engine.cores) == dp
+    first = [np.asarray(a) for a in jax.tree.leaves(engine.cores[0].runner.params)]
+    for i, core in enumerate(engine.cores):
+        own = set(devices[i * tp:(i + 1) * tp])
+        assert set(core.mesh.devices.flat) == own and core.mesh.size == tp
+        assert set(rules.bytes_per_device(core.runner.params)) == own
+        assert set(rules.bytes_per_device(core.runner.cache)) == own
+        for a, b in zip(jax.tree.leaves(core.runner.params), first, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_abort_frees_memory_on_its_replica_and_stats_sum(engines):
+    engine = engines("qwen3_5_moe", "dp2xtp2").engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"abort-{i}", prompt, GREEDY)
+    assert [engine._core[f"abort-{i}"].index for i in range(6)] == [0, 1, 0, 1, 0, 1]
+    engine.step()  # each replica admits and prefills its three requests (the step shape the test above compiled)
+    replica0, replica1 = engine.cores
+    stats = engine.stats()
+    for key in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "state_slots_used",
+                "state_slots_total", "prefix_cache_queries", "prefix_cache_hits"):
+        assert stats[key] == replica0.stats()[key] + replica1.stats()[key], key
+    assert (stats["num_running"], stats["kv_blocks_used"], stats["state_slots_used"]) == (6, 6, 6)
+    assert (stats["kv_blocks_total"], stats["state_slots_total"]) == (2 * 8, 2 * 8)  # num_kv_blocks, max_num_seqs
+    before = replica0.stats()
+    seq = engine.seqs["abort-1"]
+    assert seq.block_table and seq.slot is not None
+    out = engine.abort("abort-1")
+    assert out.finished and out.finish_reason == "abort" and len(out.token_ids) == 1
+    after = replica1.stats()
+    assert (after["num_running"], after["kv_blocks_used"], after["state_slots_used"]) == (2, 2, 2)
+    assert seq.slot is None and not seq.block_table and "abort-1" not in engine._core
+    assert replica0.stats() == before  # the other replica is untouched
+    engine.add_request("abort-6", PROMPTS[0], GREEDY)  # replica 1 now has the fewest unfinished requests
+    assert engine._core["abort-6"].index == 1
+    for rid in list(engine.seqs):
+        engine.abort(rid)
+    for core in engine.cores:
+        s = core.stats()
+        assert (s["num_running"], s["num_waiting"], s["kv_blocks_used"], s["state_slots_used"]) == (0, 0, 0, 0)
+        assert core.blocks.num_free == core.blocks.num_usable and not any(core.blocks.ref_counts)
+    assert not engine.has_unfinished and not engine.seqs and not engine._core
+
+
+def test_dummy_weights_are_identical_replicas(model_dirs):
+    engine = LLMEngine(model_dirs["llama"], load_format="dummy", data_parallel_size=2, **ENGINE_ARGS)
+    _assert_replica_layout(engine, 2, 1)
+    assert engine.stats()["kv_blocks_total"] == 2 * ENGINE_ARGS["num_kv_blocks"]
+
+
+def test_gpu_kernels_need_one_device_per_replica(model_dirs):
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
+        LLMEngine(model_dirs["llama"], kernels="gpu", data_parallel_size=2, tensor_parallel_size=2, **ENGINE_ARGS)
+
+
+def test_server_cli_passes_data_parallel_size():
+    from server.__main__ import build_parser, engine_args
+
+    args = engine_args(build_parser().parse_args(["--data-parallel-size", "2", "-tp", "2", "--max-num-seqs", "8"]))
+    assert (args["data_parallel_size"], args["tensor_parallel_size"], args["max_num_seqs"]) == (2, 2, 8)
