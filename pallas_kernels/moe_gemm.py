@@ -79,8 +79,12 @@ def _silu_f32(x):
     return x / (1.0 + jnp.exp(-x))
 
 
-def _gate_up_kernel(block_expert_ref, num_blocks_ref, rows_ref, w_gate_ref, w_up_ref, out_ref,
-                    *, block_m: int, block_n: int, block_k: int):
+def _expert_block_kernel(block_expert_ref, num_blocks_ref, rows_ref, *refs, epilogue, block_m: int, block_n: int,
+                         block_k: int):
+    """One program: row block `b` (all one expert's rows) times column block `n` of each weight in `refs` (all but
+    the last, the output), float32 accumulation over the contraction in steps of block_k; `epilogue` turns the
+    accumulators into the output tile. Blocks past the ones in use are skipped (their rows are never read)."""
+    *w_refs, out_ref = refs
     b, n = pl.program_id(0), pl.program_id(1)
 
     @pl.when(b < num_blocks_ref[0])
@@ -89,35 +93,24 @@ def _gate_up_kernel(block_expert_ref, num_blocks_ref, rows_ref, w_gate_ref, w_up
         m_rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
         cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
 
-        def body(i, acc):
+        def body(i, accs):
             ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
             x = rows_ref[m_rows, ks]
-            return acc[0] + _dot(x, w_gate_ref[e, ks, cols]), acc[1] + _dot(x, w_up_ref[e, ks, cols])
+            return tuple(acc + _dot(x, w_ref[e, ks, cols]) for acc, w_ref in zip(accs, w_refs, strict=True))
 
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        gate, up = jax.lax.fori_loop(0, rows_ref.shape[1] // block_k, body, (zeros, zeros))
-        dtype = out_ref.dtype
-        gate = _silu_f32(gate.astype(dtype).astype(jnp.float32)).astype(dtype)
-        out_ref[m_rows, cols] = (gate.astype(jnp.float32) * up.astype(dtype).astype(jnp.float32)).astype(dtype)
+        zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in w_refs)
+        accs = jax.lax.fori_loop(0, rows_ref.shape[1] // block_k, body, zeros)
+        out_ref[m_rows, cols] = epilogue(*accs, dtype=out_ref.dtype)
 
 
-def _down_kernel(block_expert_ref, num_blocks_ref, hidden_ref, w_down_ref, out_ref,
-                 *, block_m: int, block_n: int, block_k: int):
-    b, n = pl.program_id(0), pl.program_id(1)
+def _swiglu(gate, up, *, dtype):
+    """Each GEMM rounded to the model dtype, SiLU in float32 rounded once, then the rounded product."""
+    gate = _silu_f32(gate.astype(dtype).astype(jnp.float32)).astype(dtype)
+    return (gate.astype(jnp.float32) * up.astype(dtype).astype(jnp.float32)).astype(dtype)
 
-    @pl.when(b < num_blocks_ref[0])
-    def _():
-        e = block_expert_ref[b]
-        m_rows = pl.ds(pl.multiple_of(b * block_m, block_m), block_m)
-        cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
 
-        def body(i, acc):
-            ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-            return acc + _dot(hidden_ref[m_rows, ks], w_down_ref[e, ks, cols])
-
-        acc = jax.lax.fori_loop(0, hidden_ref.shape[1] // block_k, body,
-                                jnp.zeros((block_m, block_n), jnp.float32))
-        out_ref[m_rows, cols] = acc.astype(out_ref.dtype)
+def _rounded(acc, *, dtype):
+    return acc.astype(dtype)
 
 
 def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):
@@ -148,13 +141,15 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
     rows = x[jnp.minimum(pair_of_row, num_pairs - 1) // top_k]  # padding rows copy a real row: finite, unused
 
     bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
-    gate_up = _call(functools.partial(_gate_up_kernel, block_m=block_m, block_n=bn, block_k=bk),
+    gate_up = _call(functools.partial(_expert_block_kernel, epilogue=_swiglu, block_m=block_m, block_n=bn,
+                                      block_k=bk),
                     jax.ShapeDtypeStruct((rows.shape[0], inter), x.dtype), (num_blocks_max, inter // bn),
                     interpret, num_warps, num_stages, "moe_gate_up")
     hidden_rows = gate_up(block_expert, num_blocks, rows, w_gate, w_up)
 
     bn, bk = _tile(hidden, block_n), _tile(inter, block_k)
-    down = _call(functools.partial(_down_kernel, block_m=block_m, block_n=bn, block_k=bk),
+    down = _call(functools.partial(_expert_block_kernel, epilogue=_rounded, block_m=block_m, block_n=bn,
+                                   block_k=bk),
                  jax.ShapeDtypeStruct((rows.shape[0], hidden), x.dtype), (num_blocks_max, hidden // bn),
                  interpret, num_warps, num_stages, "moe_down")
     out_rows = down(block_expert, num_blocks, hidden_rows, w_down)
