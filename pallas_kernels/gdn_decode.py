@@ -14,16 +14,21 @@ L2_EPS = 1e-6  # as layers.gated_deltanet.l2_normalize
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
-              dt_bias: jax.Array, state: jax.Array, state_slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+              dt_bias: jax.Array, state: jax.Array, state_slots: jax.Array, fresh: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
     """q, k: [B, nk, dk] (after conv + SiLU, before the L2 norm); v: [B, nv, dv]; a, b: [B, nv] raw;
-    A_log, dt_bias: [nv]; state: [slots, nv, dk, dv] float32; state_slots: [B] int32.
-    Returns (o [B, nv, dv] float32, state with rows `state_slots` advanced by one token)."""
+    A_log, dt_bias: [nv]; state: [slots, nv, dk, dv] float32; state_slots: [B] int32; fresh: [B] bool, rows that
+    start a sequence (their slot is read as zeros). Returns (o [B, nv, dv] float32, state with rows `state_slots`
+    advanced by one token)."""
     repeat = v.shape[1] // q.shape[1]  # value head j reads key head j // repeat
     q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=1) * q.shape[-1] ** -0.5
     k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), repeat, axis=1)
     beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(b.dtype).astype(jnp.float32)  # HF: sigmoid in model dtype
     g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-    out, rows = recurrent_step(q, k, v.astype(jnp.float32), g, beta, state[state_slots])
+    rows = state[state_slots]
+    if fresh is not None:
+        rows = jnp.where(fresh[:, None, None, None], 0.0, rows)
+    out, rows = recurrent_step(q, k, v.astype(jnp.float32), g, beta, rows)
     return out, state.at[state_slots].set(rows)
 
 
@@ -31,8 +36,8 @@ def _softplus(x):  # stable log(1 + e^x) from ops every Pallas backend lowers
     return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
 
 
-def _kernel(slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, state_in_ref, o_ref, state_ref,
-            *, repeat: int, block_v: int):
+def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, state_in_ref, o_ref,
+            state_ref, *, repeat: int, block_v: int):
     """One program: row `r`, value head `h`, value columns [j * block_v, (j + 1) * block_v) of the [dk, dv] state.
     Every ref is the whole array (no BlockSpecs), indexed here, so the state row comes from the slot index."""
     del state_in_ref  # aliased to state_ref (input_output_aliases): same buffer
@@ -51,7 +56,8 @@ def _kernel(slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref
     dt = _softplus(a_ref[r, h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32))
     decay = jnp.exp(-jnp.exp(a_log_ref[h].astype(jnp.float32)) * dt)
 
-    s = state_ref[slot, h, :, cols] * decay  # [dk, block_v] float32
+    s = state_ref[slot, h, :, cols]  # [dk, block_v] float32; a fresh row starts from zeros (never read as such)
+    s = jnp.where(fresh_ref[r] != 0, 0.0, s) * decay
     delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta  # [block_v]
     s = s + k[:, None] * delta[None, :]
     state_ref[slot, h, :, cols] = s
@@ -59,7 +65,8 @@ def _kernel(slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref
 
 
 def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
-               dt_bias: jax.Array, state: jax.Array, state_slots: jax.Array, *, block_v: int = 32,
+               dt_bias: jax.Array, state: jax.Array, state_slots: jax.Array, fresh: jax.Array | None = None, *,
+               block_v: int = 32,
                num_warps: int = 4, num_stages: int = 1, interpret: bool | None = None
                ) -> tuple[jax.Array, jax.Array]:
     """Same contract as `reference`; the state is updated in place (donate it in the caller's jit to avoid a copy).
@@ -81,12 +88,13 @@ def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Ar
         functools.partial(_kernel, repeat=nv // nk, block_v=block_v),
         out_shape=(jax.ShapeDtypeStruct((batch, nv, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, state.dtype)),
         grid=(batch, nv, dv // block_v),
-        input_output_aliases={8: 1},
+        input_output_aliases={9: 1},
         interpret=interpret,
         compiler_params=compiler_params,
         name="gdn_decode",
     )
-    return call(state_slots.astype(jnp.int32), q, k, v, a, b, A_log, dt_bias, state)
+    fresh = jnp.zeros(batch, jnp.int32) if fresh is None else fresh.astype(jnp.int32)
+    return call(state_slots.astype(jnp.int32), fresh, q, k, v, a, b, A_log, dt_bias, state)
 
 
 def select(kernels: str) -> Callable[..., tuple[jax.Array, jax.Array]]:

@@ -11,6 +11,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 
+import jax
+
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine.llm_engine import (
     ENGINE_ARGS,
@@ -82,9 +84,15 @@ class LLM:
 class AsyncLLM:
     """An engine thread plus one asyncio queue per request. Construct with from_engine_args, then `await start()`."""
 
-    def __init__(self, model_path: str, engine_args: dict):
+    def __init__(self, model_path: str, engine_args: dict, warmup: str = "auto"):
+        """warmup: "minimal" compiles the smallest step shapes before serving; "full" also every decode batch size
+        up to max_num_seqs (a new batch size met while serving would stall every running request while it compiles);
+        "auto" is "full" on accelerators and "minimal" on the CPU."""
+        if warmup not in ("auto", "minimal", "full"):
+            raise ValueError(f"warmup must be 'auto', 'minimal' or 'full', not {warmup!r}")
         self.model_path = model_path
         self.engine_args = engine_args
+        self.warmup = warmup
         self.tokenizer = load_tokenizer(model_path)
         # Known before start() (the server validates requests with them): the engine computes the same values.
         self._config = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]))
@@ -103,11 +111,11 @@ class AsyncLLM:
         self.error: BaseException | None = None
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args) -> AsyncLLM:
+    def from_engine_args(cls, model: str | None = None, warmup: str = "auto", **engine_args) -> AsyncLLM:
         unknown = set(engine_args) - set(ENGINE_ARGS)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        return cls(resolve_model(model), engine_args)
+        return cls(resolve_model(model), engine_args, warmup)
 
     @property
     def max_model_len(self) -> int:
@@ -132,10 +140,15 @@ class AsyncLLM:
 
     def _build(self) -> LLMEngine:
         engine = LLMEngine(self.model_path, **self.engine_args)
-        # Warm up: one request through prefill and decode compiles the smallest buckets.
-        engine.add_request("warmup", [0] * 8, SamplingParams(max_tokens=2, temperature=0.0))
-        while engine.has_unfinished:
-            engine.step()
+        # Warm up: n requests at once through prefill and one decode step compile the n-row buckets.
+        full = self.warmup == "full" or (self.warmup == "auto" and jax.default_backend() != "cpu")
+        per_replica = engine.cores[0].max_num_seqs if full else 1
+        sizes = [1 << i for i in range(per_replica.bit_length()) if 1 << i <= per_replica]
+        for n in sizes:
+            for i in range(n * len(engine.cores)):
+                engine.add_request(f"warmup-{n}-{i}", [0] * 8, SamplingParams(max_tokens=2, temperature=0.0))
+            while engine.has_unfinished:
+                engine.step()
         return engine
 
     def is_ready(self) -> bool:

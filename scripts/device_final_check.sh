@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
 export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0
-PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server} "
+PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server restart} "
 part() { [[ "$PARTS" == *" $1 "* ]] || return 1; echo "== $1 ($(date +%T))"; }
 
 if part kernels; then
@@ -45,20 +45,31 @@ timeout "${T_TRACES:-150}" python3 -m qwen_jax.bench.engine --config "$MODEL/con
   > "$OUT/traces.txt" 2>&1; grep -v "^W1\|^I1" "$OUT/traces.txt" | tail -12
 fi
 
-part server || exit 0
-export QWEN_JAX_LOG="$OUT/server.log"
+export QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=300
 URL=http://127.0.0.1:8000
-t0=$(date +%s)
-./start.sh --model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000 \
-  --compilation-cache-dir /tmp/qwen_jax_cc > "$OUT/start.txt" 2>&1 || tail -30 "$OUT/server.log"
-echo "cold_start_s $(( $(date +%s) - t0 ))"
-for level in ${LEVELS:-1:4 16:16 64:64}; do
-  set -- ${level/:/ }
-  timeout "${T_LEVEL:-120}" python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" \
-    --concurrency "$1" --num-requests "$2" --input-len 1024 --output-len "${OUTLEN:-128}" \
+SERVER_ARGS=(--model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000
+             --kernels "${KERNELS:-gpu}" --compilation-cache-dir /tmp/qwen_jax_cc)
+if part server; then
+  t0=$(date +%s)
+  ./start.sh "${SERVER_ARGS[@]}" > "$OUT/start.txt" 2>&1 || tail -30 "$OUT/server.log"
+  echo "cold_start_s $(( $(date +%s) - t0 ))"
+  grep -i "fit\|load" "$OUT/server.log" | head -5
+  # The whole table as one RESULTS.json entry: each level warms up with 2 requests, then WAVES waves of c requests.
+  timeout "${T_SERVE:-$(( 575 - SECONDS ))}" python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" \
+    --concurrency "${CONC:-1,2,4,8,16,32,64}" --waves "${WAVES:-1}" --input-len 1024 --output-len "${OUTLEN:-1024}" \
     --results "$OUT/RESULTS.json" --device H200 --device-count 1 --layout TP=1 --weights random \
-    --model-config "$MODEL/config.json" --no-progress >> "$OUT/serve_bench.txt" 2>&1
-done
-grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
-curl -s "$URL/metrics" > "$OUT/metrics.txt"
-./start.sh --stop
+    --model-config "$MODEL/config.json" --no-progress --label "kernels=${KERNELS:-gpu}" > "$OUT/serve_bench.txt" 2>&1
+  grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
+  curl -s "$URL/metrics" > "$OUT/metrics.txt"
+  ./start.sh --stop
+fi
+
+if part restart; then  # start-up again with the persistent compile cache filled by the run above
+  t0=$(date +%s)
+  ./start.sh "${SERVER_ARGS[@]}" > "$OUT/restart.txt" 2>&1 || tail -30 "$OUT/server.log"
+  echo "warm_start_s $(( $(date +%s) - t0 ))"
+  curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"model":"m","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16,"temperature":0}' \
+    | tee "$OUT/chat.json" | cut -c1-600; echo
+  ./start.sh --stop
+fi

@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kernels", choices=("reference", "gpu"), default=None,
                    help="hot ops as jnp references or as the Pallas GPU kernels of pallas_kernels/")
+    p.add_argument("--warmup", choices=("auto", "minimal", "full"), default="auto",
+                   help="step shapes compiled before /health turns 200: 'full' compiles every decode batch size up to "
+                        "--max-num-seqs (auto: full on a GPU, minimal on the CPU)")
+    p.add_argument("--layers-per-program", type=int, default=None,
+                   help="consecutive decoder layers per compiled program (0: all in one): fewer dispatches, "
+                        "longer compiles")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
@@ -51,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
-                "load_format", "dtype", "seed", "kernels")
+                "load_format", "dtype", "seed", "kernels", "layers_per_program")
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from qwen_jax.llm import AsyncLLM
     from server.app import ServerConfig, create_app
 
-    engine = AsyncLLM.from_engine_args(model, **engine_args(args))
+    engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, **engine_args(args))
     # --max-num-seqs is per data-parallel replica (as in vLLM): the engine runs dp times as many sequences at once.
     running = (args.max_num_seqs or 64) * (args.data_parallel_size or 1)
     config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,

@@ -287,20 +287,21 @@ def weighted_score(levels: Sequence[dict]) -> float:
     return float(sum(level_weight(lv["concurrency"]) * lv["total_tok_s"] for lv in levels))
 
 
-def default_num_requests(concurrency: int) -> int:
-    return max(8, 4 * concurrency)
+def default_num_requests(concurrency: int, waves: int | None = None) -> int:
+    """max(8, 4 x concurrency); with `waves`, that many full waves of `concurrency` requests (at least 2 requests)."""
+    return max(2, waves * concurrency) if waves else max(8, 4 * concurrency)
 
 
 async def run_benchmark(base_url: str, model: str, tokenizer: Any, concurrency: Sequence[int] = DEFAULT_CONCURRENCY,
                         num_requests: int | None = None, input_len: int = 1024, output_len: int = 1024,
                         reuse_prompts: bool = False, seed: int = 0, timeout_s: float = 600.0,
                         spot_check_tokens: int = 64, progress: bool = True,
-                        roofline: Callable[[int, float], float] | None = None) -> dict:
+                        roofline: Callable[[int, float], float] | None = None, waves: int | None = None) -> dict:
     """Every level in turn; returns {"levels": [...], "weighted_score": ...}. Prompts of each level are new unless
     `reuse_prompts`; `roofline(concurrency, tpot_s)` (optional) gives the measured/roofline ratio of a level."""
     levels = []
     for i, c in enumerate(concurrency):
-        n = num_requests or default_num_requests(c)
+        n = num_requests or default_num_requests(c, waves)
         level_seed = seed if reuse_prompts else seed + 1000 * (i + 1)
         prompts = build_prompts(tokenizer, input_len, n + WARMUP_REQUESTS, level_seed)
         level = await run_level(base_url, model, tokenizer, c, prompts[WARMUP_REQUESTS:], prompts[:WARMUP_REQUESTS],
@@ -308,6 +309,8 @@ async def run_benchmark(base_url: str, model: str, tokenizer: Any, concurrency: 
         if roofline is not None and level["tpot_ms_p50"] is not None:
             level["roofline_ratio"] = roofline(c, level["tpot_ms_p50"] / 1e3)
         levels.append(level)
+        # each level's row as soon as it is done (a long run cut short still shows its levels)
+        print(format_table([level]).splitlines()[-1], file=sys.stderr, flush=True)
     return {"levels": levels, "weighted_score": weighted_score(levels)}
 
 
@@ -334,6 +337,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", required=True, help="tokenizer directory used to build and verify prompts")
     p.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
     p.add_argument("--num-requests", type=int, default=None, help="per level (default max(8, 4 x concurrency))")
+    p.add_argument("--waves", type=int, default=None,
+                   help="instead of --num-requests: that many waves of `concurrency` requests per level (at least 2)")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--reuse-prompts", action="store_true", help="the same prompts at every level")
@@ -368,7 +373,7 @@ async def main_async(argv: Sequence[str] | None = None) -> dict:
     run = await run_benchmark(
         args.base_url, args.model, tokenizer, [int(c) for c in args.concurrency.split(",")], args.num_requests,
         args.input_len, args.output_len, args.reuse_prompts, args.seed, args.timeout, args.spot_check_tokens,
-        not args.no_progress, roofline)
+        not args.no_progress, roofline, args.waves)
     print(format_table(run["levels"]))
     print(f"weighted score (sum of weight x total tok/s): {run['weighted_score']:.1f}")
     spot = sum(lv["spot_check"]["correct"] for lv in run["levels"])

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen_jax.bench.roofline import H200_TBPS, decode_bytes
+from qwen_jax.bench.gpu_profile import profile_calls
+from qwen_jax.bench.roofline import H200_TBPS, decode_bytes, prefill_flops_per_token
 from qwen_jax.config import load_config
 from qwen_jax.engine.runner import run_step
 from qwen_jax.engine.sampler import SamplingTensors
@@ -39,11 +40,36 @@ def _time(fn, *args, repeats: int = 20) -> tuple[float, float]:
     return first, float(np.median(times))
 
 
-def decode_batch(batch: int, context: int, block_size: int, width: int) -> dict:
+def decode_batch(batch: int, context: int, block_size: int, width: int, vocab_size: int = 2) -> dict:
+    """Rows with distinct random tokens (identical rows would all route to the same 8 experts)."""
     tables = np.arange(1, batch * width + 1, dtype=np.int32).reshape(batch, width)
-    return {"tokens": np.ones((batch, 1), np.int32), "positions": np.full((batch, 1), context, np.int32),
+    tokens = np.random.default_rng(batch).integers(1, vocab_size, (batch, 1), dtype=np.int32)
+    return {"tokens": tokens, "positions": np.full((batch, 1), context, np.int32),
             "seq_lens": np.ones(batch, np.int32), "state_slots": np.arange(1, batch + 1, dtype=np.int32),
             "block_tables": tables, "context_lens": np.full(batch, context + 1, np.int32)}
+
+
+def _prefill_row(params: dict, state: dict, cfg, mesh, length: int, block_size: int, profile: bool) -> dict:
+    """One step that prefills a whole prompt of `length` random tokens (one row, from position 0)."""
+    width = -(-length // block_size)
+    batch = {"tokens": np.random.default_rng(length).integers(1, cfg.vocab_size, (1, length), dtype=np.int32),
+             "positions": np.arange(length, dtype=np.int32)[None], "seq_lens": np.array([length], np.int32),
+             "state_slots": np.array([1], np.int32), "block_tables": np.arange(1, width + 1, dtype=np.int32)[None],
+             "context_lens": np.array([length], np.int32)}
+    tensors = SamplingTensors.build([SamplingParams(temperature=0.0)], [0], [None], vocab_size=cfg.vocab_size,
+                                    batch_size=1)
+
+    def step():
+        out, state["cache"] = run_step(params, state["cache"], batch, tensors, cfg, 0, mesh)
+        return out.tokens
+
+    first, median = _time(step, repeats=5)
+    row = {"prefill_tokens": length, "compile_and_first_s": round(first, 2), "step_ms": round(median * 1e3, 2),
+           "tokens_per_s": round(length / median),
+           "tflops": round(prefill_flops_per_token(cfg, length) * length / median / 1e12, 1)}
+    if profile:
+        row["profile"] = profile_calls(step, calls=2)
+    return row
 
 
 def main() -> None:
@@ -53,6 +79,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--kernels", default="reference", choices=("reference", "gpu"))
     ap.add_argument("--bandwidth", type=float, default=H200_TBPS, help="TB/s used for the roofline")
+    ap.add_argument("--layers-per-program", default="1",
+                    help="comma-separated values of the engine's layers_per_program to compare (0: all layers)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also sum the GPU kernels of each step under the profiler (gpu_profile.py)")
+    ap.add_argument("--prefill", default="",
+                    help="comma-separated prompt lengths: time one prefill step of one prompt of each length")
+    ap.add_argument("--no-layers", action="store_true", help="skip the per-layer-type breakdown")
     args = ap.parse_args()
     cfg = load_config(args.config).with_kernels(args.kernels)
     batches = [int(b) for b in args.batches.split(",")]
@@ -63,24 +96,35 @@ def main() -> None:
     cache = init_cache(cfg, max(batches) * width + 1, block_size, max(batches) + 1)
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
               "kernels": args.kernels, "decode": [], "layers": []}
-    for b in batches:
-        batch = decode_batch(b, args.context, block_size, width)
-        tensors = SamplingTensors.build([SamplingParams(temperature=0.0)] * b, [0] * b, [None] * b,
-                                        vocab_size=cfg.vocab_size, batch_size=b)
-        state = {"cache": cache}
+    state = {"cache": cache}
+    for lpp in [int(v) for v in args.layers_per_program.split(",")]:
+        for b in batches:
+            batch = decode_batch(b, args.context, block_size, width, cfg.vocab_size)
+            tensors = SamplingTensors.build([SamplingParams(temperature=0.0)] * b, [0] * b, [None] * b,
+                                            vocab_size=cfg.vocab_size, batch_size=b)
 
-        def step(batch=batch, tensors=tensors, state=state):
-            out, state["cache"] = run_step(params, state["cache"], batch, tensors, cfg, 0, mesh)
-            return out.tokens
+            def step(batch=batch, tensors=tensors, lpp=lpp):
+                out, state["cache"] = run_step(params, state["cache"], batch, tensors, cfg, 0, mesh, lpp)
+                return out.tokens
 
-        first, median = _time(step)
-        cache = state["cache"]
-        need = decode_bytes(cfg, b, args.context)
-        total = need.total if hasattr(need, "total") else float(need)
-        report["decode"].append({"batch": b, "compile_and_first_s": round(first, 2), "step_ms": round(median * 1e3, 3),
-                                 "roofline_ms": round(total / (args.bandwidth * 1e12) * 1e3, 3),
-                                 "fraction_of_roofline": round(total / (args.bandwidth * 1e12) / median, 3)})
-        print(json.dumps(report["decode"][-1]), flush=True)
+            first, median = _time(step)
+            need = decode_bytes(cfg, b, args.context)
+            total = need.total if hasattr(need, "total") else float(need)
+            row = {"layers_per_program": lpp, "batch": b, "compile_and_first_s": round(first, 2),
+                   "step_ms": round(median * 1e3, 3), "roofline_ms": round(total / (args.bandwidth * 1e12) * 1e3, 3),
+                   "fraction_of_roofline": round(total / (args.bandwidth * 1e12) / median, 3)}
+            if args.profile:
+                row["profile"] = profile_calls(step)
+            report["decode"].append(row)
+            print(json.dumps(row), flush=True)
+    for length in [int(v) for v in args.prefill.split(",") if v]:
+        report["prefill"] = report.get("prefill", []) + [_prefill_row(params, state, cfg, mesh, length, block_size,
+                                                                      args.profile)]
+        print(json.dumps(report["prefill"][-1]), flush=True)
+    cache = state["cache"]
+    if args.no_layers:
+        print(json.dumps(report))
+        return
 
     # One layer of each kind at each batch: which part of the step dominates.
     attn_i = cfg.attention_layers[0]

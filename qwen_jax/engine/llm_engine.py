@@ -40,6 +40,7 @@ ENGINE_ARGS = dict(
     dtype="auto",
     kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one (tp 1 only)
     seed=0,
+    layers_per_program=1,  # consecutive layers per compiled program (0: all); fewer programs, longer compiles
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
     cpu_cache_budget_gib=2.0,  # cache memory on a CPU backend (no device memory statistics there)

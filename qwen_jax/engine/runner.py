@@ -31,10 +31,11 @@ def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-# A step runs as separately compiled programs, embed -> one per layer -> head + sampler, dispatched from Python.
-# Layers of the same kind share one compiled program per shape bucket, so compile time does not grow with depth
-# (40 layers compiled as one program took 27 s on an H200; one layer about 0.6 s). Dispatch is asynchronous, so the
-# per-layer launches overlap the device work of the layers before them.
+# A step runs as separately compiled programs, embed -> one per group of consecutive layers -> head + sampler,
+# dispatched from Python. Groups of the same layer kinds share one compiled program per shape bucket, so compile
+# time grows with the group size, not the depth (40 layers compiled as one program took 27 s on an H200; one layer
+# about 0.6 s), while each program costs a dispatch and breaks XLA's CUDA graph (layers_per_program trades the two;
+# 0 runs every layer in one program). Dispatch is asynchronous: a program's launch overlaps the work before it.
 # Sharded: params and cache arrive committed to their rules' shardings (inputs follow them), the MoE is the mesh's
 # expert-parallel one, and outputs are pinned (activations whole on every device, cache in its own shards).
 # Excess precision off: every rounding to bf16 that the layers write (where HF rounds) really happens.
@@ -46,11 +47,16 @@ def _embed(embed, batch, mesh):
     return jax.lax.with_sharding_constraint(embed[batch["tokens"]], rules.batch_sharding(mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "index", "mesh"), donate_argnums=(2,), compiler_options=EXACT)
-def _layer(x, p, c, batch, cfg, index, mesh):
-    x, c = decoder_layer(x, p, c, batch, cfg, index, moe_impl_for(cfg, mesh))
-    return (jax.lax.with_sharding_constraint(x, rules.batch_sharding(mesh)),
-            rules.constrain_cache_layer(cfg, mesh, index, c))
+@functools.partial(jax.jit, static_argnames=("cfg", "kinds", "mesh"), donate_argnums=(2,), compiler_options=EXACT)
+def _layers(x, ps, cs, batch, cfg, kinds, mesh):
+    """Consecutive layers whose kinds (see _layer_index) are `kinds`: (x, their updated caches)."""
+    moe = moe_impl_for(cfg, mesh)
+    new = []
+    for p, c, index in zip(ps, cs, kinds, strict=True):
+        x, c = decoder_layer(x, p, c, batch, cfg, index, moe)
+        x = jax.lax.with_sharding_constraint(x, rules.batch_sharding(mesh))
+        new.append(rules.constrain_cache_layer(cfg, mesh, index, c))
+    return x, new
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_top_logprobs"), compiler_options=EXACT)
@@ -58,14 +64,22 @@ def _head_sample(x, head_params, batch, tensors, cfg, num_top_logprobs):
     return sample(logits_head(x, head_params, batch, cfg), tensors, num_top_logprobs)
 
 
-def run_layers(params: dict, cache: dict, batch: dict, cfg: ModelConfig, mesh: Mesh) -> tuple[jax.Array, dict]:
+def layer_groups(cfg: ModelConfig, layers_per_program: int) -> list[range]:
+    """The layers each program runs: consecutive runs of `layers_per_program` (0: all layers in one)."""
+    size = cfg.num_layers if layers_per_program <= 0 else layers_per_program
+    return [range(i, min(i + size, cfg.num_layers)) for i in range(0, cfg.num_layers, size)]
+
+
+def run_layers(params: dict, cache: dict, batch: dict, cfg: ModelConfig, mesh: Mesh,
+               layers_per_program: int = 1) -> tuple[jax.Array, dict]:
     """Embedding and every layer for a batch already on the devices (from prepare_batch): (hidden [B, S, H], cache).
-    The cache's per-layer buffers are donated layer by layer."""
+    The cache's per-layer buffers are donated group by group."""
     x = _embed(params["embed"], batch, mesh=mesh)
     layers = []
-    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
-        x, c = _layer(x, p, c, batch, cfg=cfg, index=_layer_index(cfg, i), mesh=mesh)
-        layers.append(c)
+    for group in layer_groups(cfg, layers_per_program):
+        x, cs = _layers(x, [params["layers"][i] for i in group], [cache["layers"][i] for i in group], batch,
+                        cfg=cfg, kinds=tuple(_layer_index(cfg, i) for i in group), mesh=mesh)
+        layers += cs
     return x, {"layers": layers}
 
 
@@ -74,10 +88,10 @@ def head_params(params: dict) -> dict:
 
 
 def run_step(params: dict, cache: dict, batch: dict, tensors: SamplingTensors, cfg: ModelConfig,
-             num_top_logprobs: int, mesh: Mesh) -> tuple[SampleOutput, dict]:
+             num_top_logprobs: int, mesh: Mesh, layers_per_program: int = 1) -> tuple[SampleOutput, dict]:
     """forward + sample for one padded host batch."""
     batch = prepare_batch(jax.device_put(batch, rules.batch_sharding(mesh)))
-    x, cache = run_layers(params, cache, batch, cfg, mesh)
+    x, cache = run_layers(params, cache, batch, cfg, mesh, layers_per_program)
     return _head_sample(x, head_params(params), batch, tensors, cfg=cfg, num_top_logprobs=num_top_logprobs), cache
 
 
@@ -116,9 +130,10 @@ def _save_snapshots(cache, snapshots, src, dst, cfg, mesh):
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, num_blocks: int, block_size: int, num_slots: int,
                  num_snapshots: int, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None):
+                 eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, layers_per_program: int = 1):
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules."""
         self.cfg = cfg
+        self.layers_per_program = layers_per_program
         self.params = params
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.block_size = block_size
@@ -178,7 +193,8 @@ class ModelRunner:
             tensors = self._sampling(rows, batch_size, histories)
             top = max((r.seq.params.logprobs or 0) for r in rows)
             num_top = 0 if top == 0 else TOP_LOGPROBS_WIDTH
-            out, self.cache = run_step(self.params, self.cache, batch, tensors, self.cfg, num_top, self.mesh)
+            out, self.cache = run_step(self.params, self.cache, batch, tensors, self.cfg, num_top, self.mesh,
+                                       self.layers_per_program)
             pending.append((rows, out))
         self._save([r for r in decode + prefill if r.save_snapshot is not None])
         for rows, out in pending:

@@ -121,12 +121,11 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax
 
     if x.shape[1] == 1 and cfg.kernels == "gpu":
         # Fused decode kernel (pallas_kernels/gdn_decode.py): norms, gates and the in-place state update in one
-        # launch. Rows starting a sequence get their slot zeroed first; padding rows update slot 0, the sink.
+        # launch. Rows starting a sequence read their slot as zeros; padding rows update slot 0, the sink.
         from pallas_kernels.gdn_decode import gdn_decode
 
-        ssm = cache["ssm"].at[jnp.where(fresh, slots, cache["ssm"].shape[0])].set(0.0, mode="drop")
-        out, ssm = gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], p["A_log"], p["dt_bias"], ssm, slots,
-                              block_v=min(32, cfg.linear_value_head_dim))
+        out, ssm = gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], p["A_log"], p["dt_bias"], cache["ssm"],
+                              slots, fresh, block_v=min(32, cfg.linear_value_head_dim))
         out = out[:, None]
     else:
         out, state = _delta_rule_reference(q, k, v, a, b, p, keep(cache["ssm"][slots]), valid, cfg, x.dtype)

@@ -148,7 +148,7 @@ def assert_idle(llm: LLM) -> None:
 
 def compile_counts() -> dict[str, int]:
     """Entries in the compile caches of every jitted engine function."""
-    step = runner._embed._cache_size() + runner._layer._cache_size() + runner._head_sample._cache_size()
+    step = runner._embed._cache_size() + runner._layers._cache_size() + runner._head_sample._cache_size()
     return {"step": step, "restore": runner._restore_snapshots._cache_size(),
             "save": runner._save_snapshots._cache_size(), "skeleton": skeleton._step._cache_size()}
 

@@ -31,13 +31,15 @@ def rel_err(x, y) -> float:
 
 
 def check_against_reference(seed: int, batch: int, nk: int, nv: int, dk: int, dv: int, slots: list[int],
-                            num_slots: int, block_v: int, dtype=jnp.float32) -> None:
-    """Real rows name distinct nonzero slots; rows with slot 0 are padding sinking into slot 0 (never compared)."""
+                            num_slots: int, block_v: int, dtype=jnp.float32, fresh: list[bool] | None = None) -> None:
+    """Real rows name distinct nonzero slots; rows with slot 0 are padding sinking into slot 0 (never compared).
+    Rows marked `fresh` start a sequence: both sides must read their slot as zeros."""
     inp = make_inputs(seed, batch, nk, nv, dk, dv, num_slots, dtype)
     state_before = np.asarray(inp["state"])
     state_slots = jnp.asarray(slots, jnp.int32)
-    want_o, want_state = jax.jit(reference)(**inp, state_slots=state_slots)
-    got_o, got_state = run_kernel(**inp, state_slots=state_slots, block_v=block_v)
+    fresh = None if fresh is None else jnp.asarray(fresh)
+    want_o, want_state = jax.jit(reference)(**inp, state_slots=state_slots, fresh=fresh)
+    got_o, got_state = run_kernel(**inp, state_slots=state_slots, fresh=fresh, block_v=block_v)
     got_o, got_state, want_o, want_state = map(np.asarray, (got_o, got_state, want_o, want_state))
 
     real = [i for i, s in enumerate(slots) if s != 0]
@@ -79,6 +81,17 @@ def test_gdn_decode_matches_reference_with_bfloat16_inputs():
     check_against_reference(7, 3, 2, 4, 16, 16, [2, 6, 1], 7, 8, dtype=jnp.bfloat16)
 
 
+def test_gdn_decode_starts_fresh_rows_from_a_zero_state():
+    """A row that starts a sequence ignores whatever its slot held (the previous owner's state)."""
+    check_against_reference(3, 3, 2, 4, 16, 16, [2, 6, 1], 7, 8, fresh=[True, False, True])
+    inp = make_inputs(3, 3, 2, 4, 16, 16, 7)
+    zeroed = inp["state"].at[jnp.array([2, 1])].set(0.0)
+    slots = jnp.array([2, 6, 1], jnp.int32)
+    fresh_o, _ = run_kernel(**inp, state_slots=slots, fresh=jnp.array([True, False, True]), block_v=8)
+    want_o, _ = jax.jit(reference)(**dict(inp, state=zeroed), state_slots=slots)
+    assert rel_err(fresh_o, want_o) < RTOL
+
+
 def test_gdn_decode_rejects_mismatched_shapes():
     inp = make_inputs(0, 2, 2, 4, 16, 16, 3)
     with pytest.raises(ValueError, match="block_v"):
@@ -104,5 +117,5 @@ def test_gdn_decode_lowers_to_one_triton_call_for_cuda():
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
     assert "grid_x = 64 : i32, grid_y = 32 : i32, grid_z = 4 : i32" in text
     assert "num_warps = 4 : i32" in text
-    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [1], operand_index = 8" \
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [1], operand_index = 9" \
         in text

@@ -1,0 +1,56 @@
+"""Where a step's device time goes: run a function under the JAX profiler and sum the GPU kernels it launched.
+
+Reports, per call: wall time, GPU busy time (sum of kernel durations), the number of kernels, and the kernels that
+took the most time. Needs a GPU backend for kernel events (on the CPU the tables come back empty).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import tempfile
+import time
+from collections.abc import Callable
+
+import jax
+
+
+def _kernel_events(path: str) -> list[tuple[str, float]]:
+    """(name, duration in us) of every kernel on the device planes' stream lines of one .xplane.pb file."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(path)
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                events += [(e.name, e.duration_ns / 1e3) for e in line.events]
+    return events
+
+
+def profile_calls(fn: Callable[[], object], calls: int = 5, top: int = 15) -> dict:
+    """Call fn() `calls` times (after one warm-up call) under the profiler; per-call averages of the kernels."""
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+        events = [e for f in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True) for e in _kernel_events(f)]
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in events:
+        by_name[name][0] += 1
+        by_name[name][1] += us
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "wall_ms_per_call": round(wall / calls * 1e3, 3),
+        "gpu_busy_ms_per_call": round(sum(us for _, us in events) / calls / 1e3, 3),
+        "kernels_per_call": round(len(events) / calls, 1),
+        "top_kernels": [{"name": n[:80], "per_call": round(c / calls, 1), "us_per_call": round(t / calls, 1)}
+                        for n, (c, t) in ranked],
+    }
