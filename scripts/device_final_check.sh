@@ -17,7 +17,8 @@ fi
 if part step_profile; then
   for k in ${STEP_KERNELS:-reference gpu}; do
     timeout "${T_STEP:-150}" python3 -m qwen_jax.bench.step_profile --config "$MODEL/config.json" --batches 1,16,64 \
-      --context 1024 --kernels $k > "$OUT/step_profile_$k.txt" 2>&1; grep '^{"batch' "$OUT/step_profile_$k.txt"
+      --context 1024 --kernels $k --prefill "${PREFILL:-1024,2048}" --no-layers > "$OUT/step_profile_$k.txt" 2>&1
+    grep '^{"layers\|^{"prefill' "$OUT/step_profile_$k.txt" || tail -5 "$OUT/step_profile_$k.txt"
   done
 fi
 
@@ -39,12 +40,6 @@ for n, i in enumerate(first):
 " "$OUT/parity_reference.json" "$OUT/parity_gpu.json"
 fi
 
-if part traces; then
-timeout "${T_TRACES:-150}" python3 -m qwen_jax.bench.engine --config "$MODEL/config.json" --device cuda --mode traces \
-  --scale --warmup 1 --repeats 2 --results "$OUT/RESULTS.json" --device-name H200 --layout TP=1 \
-  > "$OUT/traces.txt" 2>&1; grep -v "^W1\|^I1" "$OUT/traces.txt" | tail -12
-fi
-
 export QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=300
 URL=http://127.0.0.1:8000
 SERVER_ARGS=(--model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000
@@ -52,13 +47,17 @@ SERVER_ARGS=(--model "$MODEL" --load-format dummy --max-model-len 2304 --max-num
 if part server; then
   t0=$(date +%s)
   ./start.sh "${SERVER_ARGS[@]}" > "$OUT/start.txt" 2>&1 || tail -30 "$OUT/server.log"
-  echo "cold_start_s $(( $(date +%s) - t0 ))"
+  echo "start_s $(( $(date +%s) - t0 )) (compile cache: $(ls /tmp/qwen_jax_cc 2>/dev/null | wc -l) entries now)"
   grep -i "fit\|load" "$OUT/server.log" | head -5
   # The whole table as one RESULTS.json entry: each level warms up with 2 requests, then WAVES waves of c requests.
   timeout "${T_SERVE:-$(( 575 - SECONDS ))}" python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" \
     --concurrency "${CONC:-1,2,4,8,16,32,64}" --waves "${WAVES:-1}" --input-len 1024 --output-len "${OUTLEN:-1024}" \
     --results "$OUT/RESULTS.json" --device H200 --device-count 1 --layout TP=1 --weights random \
-    --model-config "$MODEL/config.json" --no-progress --label "kernels=${KERNELS:-gpu}" > "$OUT/serve_bench.txt" 2>&1
+    --model-config "$MODEL/config.json" --no-progress --label "kernels=${KERNELS:-gpu}" \
+    --levels-out "$OUT/levels.json" ${PREV:+--previous-levels "$PREV"} > "$OUT/serve_bench.txt" 2>&1
+  curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"model":"m","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16,"temperature":0}' \
+    > "$OUT/chat.json"; cut -c1-400 "$OUT/chat.json"; echo
   grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
   curl -s "$URL/metrics" > "$OUT/metrics.txt"
   ./start.sh --stop
@@ -72,4 +71,11 @@ if part restart; then  # start-up again with the persistent compile cache filled
     -d '{"model":"m","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16,"temperature":0}' \
     | tee "$OUT/chat.json" | cut -c1-600; echo
   ./start.sh --stop
+fi
+
+if part traces; then
+timeout "${T_TRACES:-150}" python3 -m qwen_jax.bench.engine --config "$MODEL/config.json" --device cuda --mode traces \
+  --scale --warmup 1 --repeats 2 --results "$OUT/RESULTS.json" --device-name H200 --layout TP=1 \
+  --kernels "${KERNELS:-gpu}" \
+  > "$OUT/traces.txt" 2>&1; grep -v "^W1\|^I1" "$OUT/traces.txt" | tail -12
 fi

@@ -296,10 +296,13 @@ async def run_benchmark(base_url: str, model: str, tokenizer: Any, concurrency: 
                         num_requests: int | None = None, input_len: int = 1024, output_len: int = 1024,
                         reuse_prompts: bool = False, seed: int = 0, timeout_s: float = 600.0,
                         spot_check_tokens: int = 64, progress: bool = True,
-                        roofline: Callable[[int, float], float] | None = None, waves: int | None = None) -> dict:
+                        roofline: Callable[[int, float], float] | None = None, waves: int | None = None,
+                        previous_levels: Sequence[dict] = (), levels_out: str | None = None) -> dict:
     """Every level in turn; returns {"levels": [...], "weighted_score": ...}. Prompts of each level are new unless
-    `reuse_prompts`; `roofline(concurrency, tpot_s)` (optional) gives the measured/roofline ratio of a level."""
-    levels = []
+    `reuse_prompts`; `roofline(concurrency, tpot_s)` (optional) gives the measured/roofline ratio of a level.
+    `previous_levels` (from an earlier `levels_out` of the same setup, e.g. a run split over two sessions) count
+    in the table and the score; `levels_out` is rewritten after every level."""
+    levels = list(previous_levels)
     for i, c in enumerate(concurrency):
         n = num_requests or default_num_requests(c, waves)
         level_seed = seed if reuse_prompts else seed + 1000 * (i + 1)
@@ -311,6 +314,9 @@ async def run_benchmark(base_url: str, model: str, tokenizer: Any, concurrency: 
         levels.append(level)
         # each level's row as soon as it is done (a long run cut short still shows its levels)
         print(format_table([level]).splitlines()[-1], file=sys.stderr, flush=True)
+        if levels_out:
+            with open(levels_out, "w") as f:
+                json.dump(levels, f)
     return {"levels": levels, "weighted_score": weighted_score(levels)}
 
 
@@ -354,6 +360,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-config", default=None, help="config.json: adds measured-TPOT/roofline ratios")
     p.add_argument("--bandwidth", type=float, default=None, help="TB/s for the roofline (default H200 4.3)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--levels-out", default=None, help="JSON file rewritten with the finished levels after each level")
+    p.add_argument("--previous-levels", default=None,
+                   help="a --levels-out file of an earlier partial run of the same setup: its levels join this run's")
     return p.parse_args(argv)
 
 
@@ -370,10 +379,14 @@ async def main_async(argv: Sequence[str] | None = None) -> dict:
         bw = args.bandwidth or H200_TBPS
         mid_context = args.input_len + args.output_len // 2
         roofline = lambda c, tpot_s: roofline_ratio(tpot_s, decode_bytes(cfg, c, mid_context).total, bw)
+    previous = []
+    if args.previous_levels:
+        with open(args.previous_levels) as f:
+            previous = json.load(f)
     run = await run_benchmark(
         args.base_url, args.model, tokenizer, [int(c) for c in args.concurrency.split(",")], args.num_requests,
         args.input_len, args.output_len, args.reuse_prompts, args.seed, args.timeout, args.spot_check_tokens,
-        not args.no_progress, roofline, args.waves)
+        not args.no_progress, roofline, args.waves, previous, args.levels_out)
     print(format_table(run["levels"]))
     print(f"weighted score (sum of weight x total tok/s): {run['weighted_score']:.1f}")
     spot = sum(lv["spot_check"]["correct"] for lv in run["levels"])

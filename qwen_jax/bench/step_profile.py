@@ -22,9 +22,11 @@ from qwen_jax.engine.sampler import SamplingTensors
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.gated_deltanet import gdn_layer
 from qwen_jax.layers.mlp import sparse_moe, swiglu_mlp
-from qwen_jax.models.decoder import init_cache, random_params
+from qwen_jax.models.decoder import random_params
 from qwen_jax.sampling_params import SamplingParams
-from sharding.mesh import make_mesh
+from sharding import rules
+from sharding import step as sharded_step
+from sharding.mesh import describe, make_mesh
 
 
 def _time(fn, *args, repeats: int = 20) -> tuple[float, float]:
@@ -85,17 +87,22 @@ def main() -> None:
                     help="also sum the GPU kernels of each step under the profiler (gpu_profile.py)")
     ap.add_argument("--prefill", default="",
                     help="comma-separated prompt lengths: time one prefill step of one prompt of each length")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="one replica over this many devices (the engine's layouts; kernels must be 'reference')")
+    ap.add_argument("--enable-expert-parallel", action="store_true", help="experts split over the devices (EP)")
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer-type breakdown")
     args = ap.parse_args()
     cfg = load_config(args.config).with_kernels(args.kernels)
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
     width = (args.context + 1 + block_size - 1) // block_size
-    params = random_params(cfg)
-    mesh = make_mesh(1, 1, False)  # one device; the engine's step takes its mesh explicitly
-    cache = init_cache(cfg, max(batches) * width + 1, block_size, max(batches) + 1)
+    mesh = make_mesh(args.tensor_parallel_size, 1, args.enable_expert_parallel)  # the engine's step takes its mesh
+    params = random_params(cfg, shardings=rules.param_shardings(cfg, mesh))
+    cache = sharded_step.init_cache(cfg, mesh, max(batches) * width + 1, block_size, max(batches) + 1)
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
-              "kernels": args.kernels, "decode": [], "layers": []}
+              "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "layers": [],
+              "param_gib_per_device": [round(b / 2**30, 2) for b in rules.bytes_per_device(params).values()]}
+    print(json.dumps({k: report[k] for k in ("mesh", "param_gib_per_device")}), flush=True)
     state = {"cache": cache}
     for lpp in [int(v) for v in args.layers_per_program.split(",")]:
         for b in batches:
@@ -115,6 +122,8 @@ def main() -> None:
                    "fraction_of_roofline": round(total / (args.bandwidth * 1e12) / median, 3)}
             if args.profile:
                 row["profile"] = profile_calls(step)
+            row["peak_gib_per_device"] = [round((d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
+                                          for d in mesh.devices.flat]
             report["decode"].append(row)
             print(json.dumps(row), flush=True)
     for length in [int(v) for v in args.prefill.split(",") if v]:
@@ -122,7 +131,7 @@ def main() -> None:
                                                                       args.profile)]
         print(json.dumps(report["prefill"][-1]), flush=True)
     cache = state["cache"]
-    if args.no_layers:
+    if args.no_layers or mesh.size > 1:
         print(json.dumps(report))
         return
 

@@ -120,6 +120,32 @@ def test_cli_appends_a_run_to_results(tokenizer, fake_server, tmp_path, capsys):
     assert "weighted score" in out and "meaningless with random weights" in out
 
 
+def test_a_run_split_in_two_scores_every_level(tokenizer, fake_server, tmp_path):
+    """--levels-out of a first partial run, fed back as --previous-levels: one entry, one score over all levels."""
+    levels = tmp_path / "levels.json"
+    results = tmp_path / "RESULTS.json"
+    common = ["--model", "fake", "--tokenizer", "unused", "--input-len", "20", "--output-len", "5", "--waves", "1",
+              "--results", str(results), "--no-progress"]
+
+    async def go(*extra):
+        async with fake_server(tokenizer) as (url, _):
+            return await serve.main_async(["--base-url", url, *common, *extra])
+
+    original = serve.load_tokenizer
+    serve.load_tokenizer = lambda path: tokenizer
+    try:
+        asyncio.run(go("--concurrency", "1,2", "--levels-out", str(levels)))
+        assert [lv["concurrency"] for lv in json.loads(levels.read_text())] == [1, 2]
+        entry = asyncio.run(go("--concurrency", "4", "--previous-levels", str(levels)))
+    finally:
+        serve.load_tokenizer = original
+    assert [lv["concurrency"] for lv in entry["levels"]] == [1, 2, 4]
+    assert [lv["num_requests"] for lv in entry["levels"]] == [2, 2, 4]  # --waves 1: c requests, at least 2
+    weights = {1: 1, 2: 1, 4: 2}
+    assert entry["weighted_score"] == pytest.approx(sum(weights[lv["concurrency"]] * lv["total_tok_s"]
+                                                        for lv in entry["levels"]))
+
+
 def test_spot_check_wants_the_exact_number(tokenizer, fake_server):
     replies = iter(["The sum is {}.", "1{}"])
 
