@@ -24,7 +24,7 @@ fi
 
 if part kernel_parity; then
   for k in reference gpu; do
-    timeout "${T_PARITY:-120}" python3 scripts/kernel_parity.py --model "$MODEL" --kernels $k --out "$OUT/parity_$k.json" \
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_PARITY:-120}" python3 scripts/kernel_parity.py --model "$MODEL" --kernels $k --out "$OUT/parity_$k.json" \
       > "$OUT/parity_$k.log" 2>&1; grep "^{" "$OUT/parity_$k.log" || tail -5 "$OUT/parity_$k.log"
   done
   python3 -c "

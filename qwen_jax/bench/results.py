@@ -19,15 +19,18 @@ DEFAULT_RESULTS = os.path.join(REPO_ROOT, "RESULTS.json")
 
 
 def git_commit(repo: str = REPO_ROOT) -> str | None:
-    """`git rev-parse HEAD` of the repository, with `+dirty` when tracked files differ. Outside git (a copied tree,
-    e.g. on a benchmark machine) the commit the copy was made from, given as $QWEN_JAX_COMMIT, else None."""
+    """$QWEN_JAX_COMMIT when set: the commit a copied tree was made from (the device tool's copy carries stale git
+    metadata, so its own HEAD would be wrong). Else `git rev-parse HEAD`, with `+dirty` when tracked files differ;
+    None outside git."""
+    if os.environ.get("QWEN_JAX_COMMIT"):
+        return os.environ["QWEN_JAX_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                                 check=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                capture_output=True, text=True, check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("QWEN_JAX_COMMIT")
+        return None
     return commit + ("+dirty" if dirty else "")
 
 
