@@ -142,9 +142,10 @@ class AsyncLLM:
         engine = LLMEngine(self.model_path, **self.engine_args)
         # Warm up: n requests at once through prefill and one decode step compile the n-row buckets.
         full = self.warmup == "full" or (self.warmup == "auto" and jax.default_backend() != "cpu")
-        per_replica = engine.cores[0].max_num_seqs if full else 1
-        sizes = [1 << i for i in range(per_replica.bit_length()) if 1 << i <= per_replica]
-        for n in sizes:
+        most = engine.cores[0].max_num_seqs if full else 1
+        # Powers of two below max_num_seqs, then max_num_seqs itself: the runner pads a batch to the next power of
+        # two, so these reach every decode bucket.
+        for n in [min(1 << i, most) for i in range((most - 1).bit_length() + 1)]:
             for i in range(n * len(engine.cores)):
                 engine.add_request(f"warmup-{n}-{i}", [0] * 8, SamplingParams(max_tokens=2, temperature=0.0))
             while engine.has_unfinished:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One H200 call that measures what the issues ask of a single GPU, each part under its own time limit:
-# kernel benchmark, decode step profile vs roofline, engine-skeleton traces (scaled), and the server with a serving
-# benchmark at several concurrencies. Everything lands under $OUT (RESULTS.json entries included).
+# One H200 call that measures what the issues ask of a single GPU, each part under its own time limit (PARTS picks):
+# kernel benchmark, decode/prefill step profile vs roofline, kernel parity, the server with the serving table and a
+# chat request, a restart with the compile cache, then engine-skeleton traces (scaled).
+# Everything lands under $OUT (RESULTS.json entries included).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
@@ -44,6 +45,11 @@ export QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=300
 URL=http://127.0.0.1:8000
 SERVER_ARGS=(--model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000
              --kernels "${KERNELS:-gpu}" --compilation-cache-dir /tmp/qwen_jax_cc)
+chat() {  # one greedy chat request, its JSON reply saved to $OUT/chat.json
+  curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"model":"m","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16,"temperature":0}' \
+    > "$OUT/chat.json"; cut -c1-600 "$OUT/chat.json"; echo
+}
 if part server; then
   t0=$(date +%s)
   ./start.sh "${SERVER_ARGS[@]}" > "$OUT/start.txt" 2>&1 || tail -30 "$OUT/server.log"
@@ -55,9 +61,7 @@ if part server; then
     --results "$OUT/RESULTS.json" --device H200 --device-count 1 --layout TP=1 --weights random \
     --model-config "$MODEL/config.json" --no-progress --label "kernels=${KERNELS:-gpu}" \
     --levels-out "$OUT/levels.json" ${PREV:+--previous-levels "$PREV"} > "$OUT/serve_bench.txt" 2>&1
-  curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' \
-    -d '{"model":"m","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16,"temperature":0}' \
-    > "$OUT/chat.json"; cut -c1-400 "$OUT/chat.json"; echo
+  chat
   grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
   curl -s "$URL/metrics" > "$OUT/metrics.txt"
   ./start.sh --stop
@@ -67,9 +71,7 @@ if part restart; then  # start-up again with the persistent compile cache filled
   t0=$(date +%s)
   ./start.sh "${SERVER_ARGS[@]}" > "$OUT/restart.txt" 2>&1 || tail -30 "$OUT/server.log"
   echo "warm_start_s $(( $(date +%s) - t0 ))"
-  curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' \
-    -d '{"model":"m","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16,"temperature":0}' \
-    | tee "$OUT/chat.json" | cut -c1-600; echo
+  chat
   ./start.sh --stop
 fi
 

@@ -22,7 +22,7 @@ from qwen_jax.engine.sampler import SamplingTensors
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.gated_deltanet import gdn_layer
 from qwen_jax.layers.mlp import sparse_moe, swiglu_mlp
-from qwen_jax.models.decoder import random_params
+from qwen_jax.models.decoder import make_batch, random_params
 from qwen_jax.sampling_params import SamplingParams
 from sharding import rules
 from sharding import step as sharded_step
@@ -46,18 +46,14 @@ def decode_batch(batch: int, context: int, block_size: int, width: int, vocab_si
     """Rows with distinct random tokens (identical rows would all route to the same 8 experts)."""
     tables = np.arange(1, batch * width + 1, dtype=np.int32).reshape(batch, width)
     tokens = np.random.default_rng(batch).integers(1, vocab_size, (batch, 1), dtype=np.int32)
-    return {"tokens": tokens, "positions": np.full((batch, 1), context, np.int32),
-            "seq_lens": np.ones(batch, np.int32), "state_slots": np.arange(1, batch + 1, dtype=np.int32),
-            "block_tables": tables, "context_lens": np.full(batch, context + 1, np.int32)}
+    return make_batch(tokens, np.full(batch, context), np.ones(batch), np.arange(1, batch + 1), tables)
 
 
 def _prefill_row(params: dict, state: dict, cfg, mesh, length: int, block_size: int, profile: bool) -> dict:
     """One step that prefills a whole prompt of `length` random tokens (one row, from position 0)."""
     width = -(-length // block_size)
-    batch = {"tokens": np.random.default_rng(length).integers(1, cfg.vocab_size, (1, length), dtype=np.int32),
-             "positions": np.arange(length, dtype=np.int32)[None], "seq_lens": np.array([length], np.int32),
-             "state_slots": np.array([1], np.int32), "block_tables": np.arange(1, width + 1, dtype=np.int32)[None],
-             "context_lens": np.array([length], np.int32)}
+    tokens = np.random.default_rng(length).integers(1, cfg.vocab_size, (1, length), dtype=np.int32)
+    batch = make_batch(tokens, [0], [length], [1], np.arange(1, width + 1)[None])
     tensors = SamplingTensors.build([SamplingParams(temperature=0.0)], [0], [None], vocab_size=cfg.vocab_size,
                                     batch_size=1)
 
@@ -100,7 +96,7 @@ def main() -> None:
     params = random_params(cfg, shardings=rules.param_shardings(cfg, mesh))
     cache = sharded_step.init_cache(cfg, mesh, max(batches) * width + 1, block_size, max(batches) + 1)
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
-              "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "layers": [],
+              "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "prefill": [], "layers": [],
               "param_gib_per_device": [round(b / 2**30, 2) for b in rules.bytes_per_device(params).values()]}
     print(json.dumps({k: report[k] for k in ("mesh", "param_gib_per_device")}), flush=True)
     state = {"cache": cache}
@@ -127,8 +123,7 @@ def main() -> None:
             report["decode"].append(row)
             print(json.dumps(row), flush=True)
     for length in [int(v) for v in args.prefill.split(",") if v]:
-        report["prefill"] = report.get("prefill", []) + [_prefill_row(params, state, cfg, mesh, length, block_size,
-                                                                      args.profile)]
+        report["prefill"].append(_prefill_row(params, state, cfg, mesh, length, block_size, args.profile))
         print(json.dumps(report["prefill"][-1]), flush=True)
     cache = state["cache"]
     if args.no_layers or mesh.size > 1:
