@@ -233,7 +233,7 @@ class AsyncLLM:
         return self._stats
 
     async def shutdown(self) -> None:
-        """Abort what is still running, then stop the engine thread."""
+        """Abort what is still running, then stop the engine thread (and, on several hosts, the followers)."""
         for rid in list(self._streams):
             await self.abort(rid)
         await asyncio.sleep(0.1)
@@ -241,4 +241,6 @@ class AsyncLLM:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
+        if self.engine is not None:
+            self.engine.shutdown()
         self._ready = False

@@ -27,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
     p.add_argument("--enable-expert-parallel", action="store_true", default=None)
+    p.add_argument("--num-hosts", type=int, default=None,
+                   help="processes (hosts) serving one model together, joined by jax.distributed (default "
+                        "$JAX_NUM_PROCESSES or 1); host 0 alone serves HTTP")
+    p.add_argument("--host-index", type=int, default=None,
+                   help="this host, 0..num-hosts-1 (default $JAX_PROCESS_ID or 0): 0 serves HTTP and schedules every "
+                        "step, the others serve no HTTP and run host 0's steps until it stops")
+    p.add_argument("--coordinator-address", default=None,
+                   help="host:port on host 0 for jax.distributed's coordinator (default $JAX_COORDINATOR_ADDRESS)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -57,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
-                "load_format", "dtype", "seed", "kernels", "layers_per_program")
+                "load_format", "dtype", "seed", "kernels", "layers_per_program", "num_hosts", "host_index",
+                "coordinator_address")
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -120,6 +129,18 @@ async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
     return exit_code
 
 
+def follow(model: str, args: dict) -> int:
+    """Host > 0 of several: no HTTP server. Builds the same engine as host 0 (joining it through jax.distributed)
+    and runs host 0's steps, its warm-up included, until host 0's engine shuts down."""
+    from qwen_jax.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model, **args)
+    log.info("host %d: following host 0 (no HTTP server here)", args["host_index"])
+    steps = engine.follow()
+    log.info("host 0 stopped after %d steps", steps)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -132,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
 
         model = ensure_default_model()
         log.info("no --model given: serving the built-in default model at %s", model)
+    from sharding import distributed
+
+    args.num_hosts, args.host_index, args.coordinator_address = distributed.settings(
+        args.num_hosts, args.host_index, args.coordinator_address)
+    if args.num_hosts > 1 and args.host_index > 0:
+        return follow(model, engine_args(args))
     from qwen_jax.llm import AsyncLLM
     from server.app import ServerConfig, create_app
 

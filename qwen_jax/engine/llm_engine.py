@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from qwen_jax.config import ModelConfig, from_hf_dict
+from qwen_jax.engine import multihost
 from qwen_jax.engine.core import EngineCore
 from qwen_jax.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from qwen_jax.engine.sampler import TokenHistory
@@ -45,6 +46,10 @@ ENGINE_ARGS = dict(
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
     cpu_cache_budget_gib=2.0,  # cache memory on a CPU backend (no device memory statistics there)
     num_kv_blocks=None,  # usable KV blocks, overriding the memory-derived count (tests, reproducible sizing)
+    # Several hosts (sharding/README.md, "Several hosts"); None: sharding/distributed.py's environment variables.
+    num_hosts=None,  # processes joined by jax.distributed ($JAX_NUM_PROCESSES; 1: this host alone)
+    host_index=None,  # this process ($JAX_PROCESS_ID): 0 schedules, every other one follows (LLMEngine.follow)
+    coordinator_address=None,  # "host:port" that host 0 serves the coordinator on ($JAX_COORDINATOR_ADDRESS)
 )
 """The engine arguments (vLLM's names) and their defaults. With data_parallel_size D the engine runs D replicas,
 each with its own weights and cache: max_num_seqs, max_num_batched_tokens, num_kv_blocks, num_snapshots and the
@@ -117,7 +122,8 @@ class LLMEngine:
         if args["load_format"] not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {args['load_format']!r} (auto or dummy)")
         self.model_path = resolve_model(model)
-        distributed.initialize()  # multi-host: join the other processes (a no-op on one host)
+        # Multi-host: join the other processes (a no-op on one host).
+        distributed.initialize(args["num_hosts"], args["host_index"], args["coordinator_address"])
         dp = int(args["data_parallel_size"])
         if dp > 1 and jax.process_count() > 1:
             raise NotImplementedError("data_parallel_size > 1 runs in one process only: with several hosts, start "
@@ -126,6 +132,11 @@ class LLMEngine:
         # sharding/rules.py; one device is a 1x1x1 mesh.
         replica_meshes = mesh.replica_meshes(int(args["tensor_parallel_size"]), dp,
                                              bool(args["enable_expert_parallel"]))
+        hosts = {d.process_index for d in replica_meshes[0].devices.flat}
+        if len(hosts) < jax.process_count():
+            raise ValueError(f"with {jax.process_count()} hosts the model must span all of them: "
+                             f"tensor_parallel_size {args['tensor_parallel_size']} covers devices of "
+                             f"{len(hosts)} (each host has {jax.local_device_count()} devices)")
         cfg = self.cfg = read_model_config(self.model_path, args["dtype"]).with_kernels(args["kernels"])
         if cfg.kernels == "gpu" and replica_meshes[0].size > 1:
             raise NotImplementedError("kernels='gpu' runs a replica on one device only so far (Pallas calls are not "
@@ -141,6 +152,12 @@ class LLMEngine:
         self.cores = [EngineCore(i, cfg, params, m, args, self.max_model_len, self.eos_token_ids,
                                  seed=int(args["seed"]) * dp + i)
                       for i, (params, m) in enumerate(zip(replica_params, replica_meshes, strict=True))]
+        # Several hosts: host 0 alone schedules, and sends each step's ops (the runner's device work as host data) to
+        # the other hosts before running them; the others run them in follow() (engine/multihost.py).
+        self.steps = multihost.StepChannel() if jax.process_count() > 1 else None
+        if self.steps is not None and self.is_leader:
+            runner = self.cores[0].runner
+            runner.executor = multihost.leader_executor(self.steps, runner.execute)
         # Replicas step concurrently (JAX releases the GIL while their devices compute); one replica needs no thread.
         self._pool = ThreadPoolExecutor(dp, thread_name_prefix="qwen-jax-replica") if dp > 1 else None
         self.seqs: dict[str, Sequence] = {}
@@ -292,6 +309,24 @@ class LLMEngine:
         for d in (self.seqs, self._core, self._detok, self._stops, self._histories, self._sent, self._text,
                   self._logprobs):
             d.pop(rid, None)
+
+    # ---- several hosts ---------------------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process schedules (takes requests and steps): always on one host; host 0 of several."""
+        return jax.process_index() == 0
+
+    def follow(self) -> int:
+        """Host > 0 of a multi-host engine: run host 0's steps until its engine shuts down (or its process ends);
+        returns how many steps ran."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for hosts > 0 of a multi-host engine; host 0 takes the requests")
+        return multihost.follow(self.steps, self.cores[0].runner.execute)
+
+    def shutdown(self) -> None:
+        """Host 0 of several: release the followers (their follow() returns). A no-op on one host; idempotent."""
+        if self.steps is not None and self.is_leader:
+            self.steps.stop()
 
     # ---- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:

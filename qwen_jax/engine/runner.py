@@ -9,6 +9,7 @@ decides who runs (the scheduler does).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -87,10 +88,19 @@ def head_params(params: dict) -> dict:
     return {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
 
 
+def put_batch(tree, mesh: Mesh):
+    """Host arrays -> the mesh's batch sharding. One host: one batched transfer. Several: every host gives the same
+    numbers and copies only its own devices' slices (rules.put)."""
+    sharding = rules.batch_sharding(mesh)
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(lambda a: rules.put(a, sharding), tree)
+
+
 def run_step(params: dict, cache: dict, batch: dict, tensors: SamplingTensors, cfg: ModelConfig,
              num_top_logprobs: int, mesh: Mesh, layers_per_program: int = 1) -> tuple[SampleOutput, dict]:
     """forward + sample for one padded host batch."""
-    batch = prepare_batch(jax.device_put(batch, rules.batch_sharding(mesh)))
+    batch = prepare_batch(put_batch(batch, mesh))
     x, cache = run_layers(params, cache, batch, cfg, mesh, layers_per_program)
     return _head_sample(x, head_params(params), batch, tensors, cfg=cfg, num_top_logprobs=num_top_logprobs), cache
 
@@ -145,6 +155,9 @@ class ModelRunner:
         self.snapshots = None
         if num_snapshots and cfg.is_hybrid:  # GDN state only (+ the sink at 0), split over heads like the cache
             self.snapshots = _gdn_layers(step.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1), cfg)
+        # What runs a step's op list (see run): `execute` here; a multi-host leader's engine puts the broadcast to
+        # the other hosts in front of it (engine/multihost.py).
+        self.executor: Callable[[list], list[SampleOutput]] = self.execute
 
     # ---- batches -------------------------------------------------------------------------------------------
     def _table_width(self, rows: list[Row]) -> int:
@@ -167,16 +180,20 @@ class ModelRunner:
 
     def _sampling(self, rows: list[Row], batch_size: int, histories: dict) -> SamplingTensors:
         self.step_seed += 1
-        return SamplingTensors.build(
+        return SamplingTensors.build_host(
             [r.seq.params for r in rows], [len(r.seq.output_token_ids) for r in rows],
             [histories.get(r.seq.request_id) for r in rows], vocab_size=self.vocab_size, batch_size=batch_size,
-            eos_token_ids=self.eos_token_ids, step_seed=self.step_seed, sharding=rules.batch_sharding(self.mesh))
+            eos_token_ids=self.eos_token_ids, step_seed=self.step_seed)
 
     # ---- execution -------------------------------------------------------------------------------------------
     def run(self, decode: list[Row], prefill: list[Row], histories: dict, max_batched_tokens: int
             ) -> list[tuple[Row, SampleOutput, int]]:
-        """Run one step. Returns (row, its group's SampleOutput on the host, index of the row in it) per row."""
-        self._restore([r for r in decode + prefill if r.restore_snapshot is not None])
+        """Run one step. Returns (row, its group's SampleOutput on the host, index of the row in it) per row.
+
+        The step's device work is first written down as host data, a list of ops run in order by the executor:
+        ("restore", src, dst) copies snapshots into state slots, ("forward", batch, sampling tensors, number of top
+        logprobs) runs one padded group of rows, ("save", src, dst) copies state slots into snapshots (numpy arrays
+        and ints only, so that a multi-host leader can send the same list to the other hosts)."""
         groups = []
         if decode:
             groups.append((decode, 1))
@@ -185,22 +202,44 @@ class ModelRunner:
             per_call = max(1, max_batched_tokens // seq_len)
             for i in range(0, len(prefill), per_call):
                 groups.append((prefill[i:i + per_call], seq_len))
-        results = []
-        pending = []
+        ops = []
+        restore = [(r.restore_snapshot, r.seq.slot) for r in decode + prefill if r.restore_snapshot is not None]
+        if restore and self.snapshots is not None:
+            ops.append(("restore", *self._pairs(restore)))
         for rows, seq_len in groups:
             batch_size = bucket(len(rows))
-            batch = self._batch(rows, batch_size, seq_len)
-            tensors = self._sampling(rows, batch_size, histories)
             top = max((r.seq.params.logprobs or 0) for r in rows)
-            num_top = 0 if top == 0 else TOP_LOGPROBS_WIDTH
-            out, self.cache = run_step(self.params, self.cache, batch, tensors, self.cfg, num_top, self.mesh,
-                                       self.layers_per_program)
-            pending.append((rows, out))
-        self._save([r for r in decode + prefill if r.save_snapshot is not None])
-        for rows, out in pending:
+            ops.append(("forward", self._batch(rows, batch_size, seq_len), self._sampling(rows, batch_size, histories),
+                        0 if top == 0 else TOP_LOGPROBS_WIDTH))
+        save = [(r.seq.slot, r.save_snapshot) for r in decode + prefill if r.save_snapshot is not None]
+        if save and self.snapshots is not None:
+            ops.append(("save", *self._pairs(save)))
+        results = []
+        for (rows, _), out in zip(groups, self.executor(ops), strict=True):
             host = SampleOutput(*jax.device_get(tuple(out)))
             results += [(r, host, i) for i, r in enumerate(rows)]
         return results
+
+    def execute(self, ops: list) -> list[SampleOutput]:
+        """Issue the device work of one step's ops (see run), in order: the forward ops' SampleOutputs, on the
+        devices. The only place a step touches the devices; on several hosts every host runs the same list."""
+        outs = []
+        for kind, *args in ops:
+            if kind == "restore":
+                self.cache = _restore_snapshots(self.cache, self.snapshots, *put_batch(args, self.mesh),
+                                                cfg=self.cfg, mesh=self.mesh)
+            elif kind == "save":
+                self.snapshots = _save_snapshots(self.cache, self.snapshots, *put_batch(args, self.mesh),
+                                                 cfg=self.cfg, mesh=self.mesh)
+            elif kind == "forward":
+                batch, tensors, num_top = args
+                tensors = SamplingTensors(*put_batch(tuple(tensors), self.mesh))
+                out, self.cache = run_step(self.params, self.cache, batch, tensors, self.cfg, num_top, self.mesh,
+                                           self.layers_per_program)
+                outs.append(out)
+            else:
+                raise ValueError(f"unknown step op {kind!r}")
+        return outs
 
     @staticmethod
     def _pairs(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -209,18 +248,3 @@ class ModelRunner:
         for i, (a, b) in enumerate(pairs):
             src[i], dst[i] = a, b
         return src, dst
-
-    def _put(self, *arrays: np.ndarray) -> list[jax.Array]:
-        return jax.device_put(list(arrays), rules.batch_sharding(self.mesh))
-
-    def _restore(self, rows: list[Row]) -> None:
-        if rows and self.snapshots is not None:
-            src, dst = self._pairs([(r.restore_snapshot, r.seq.slot) for r in rows])
-            self.cache = _restore_snapshots(self.cache, self.snapshots, *self._put(src, dst), cfg=self.cfg,
-                                            mesh=self.mesh)
-
-    def _save(self, rows: list[Row]) -> None:
-        if rows and self.snapshots is not None:
-            src, dst = self._pairs([(r.seq.slot, r.save_snapshot) for r in rows])
-            self.snapshots = _save_snapshots(self.cache, self.snapshots, *self._put(src, dst), cfg=self.cfg,
-                                             mesh=self.mesh)

@@ -70,7 +70,8 @@ class TokenHistory:
 
 
 class SamplingTensors(NamedTuple):
-    """Per-row sampling parameters as device arrays, padded to a batch bucket B (padding rows are greedy, no cuts)."""
+    """Per-row sampling parameters, padded to a batch bucket B (padding rows are greedy, no cuts): device arrays from
+    `build`, numpy from `build_host`."""
 
     temperature: jax.Array  # [B] f32; 0 = greedy
     top_k: jax.Array  # [B] i32; 0 = off
@@ -97,12 +98,28 @@ class SamplingTensors(NamedTuple):
         step_seed: int = 0,
         sharding: jax.sharding.Sharding | None = None,
     ) -> SamplingTensors:
-        """Host-side assembly for one step.
+        """build_host's arrays on the devices of `sharding` (default: the default device)."""
+        host = cls.build_host(params_list, num_generated, histories, vocab_size=vocab_size, batch_size=batch_size,
+                              eos_token_ids=eos_token_ids, step_seed=step_seed)
+        return cls(*jax.device_put(tuple(host), sharding))  # one batched host-to-device transfer
+
+    @classmethod
+    def build_host(
+        cls,
+        params_list: Sequence[SamplingParams],
+        num_generated: Sequence[int],
+        histories: Sequence[TokenHistory | None],
+        *,
+        vocab_size: int,
+        batch_size: int,
+        eos_token_ids: Sequence[int] = (),
+        step_seed: int = 0,
+    ) -> SamplingTensors:
+        """Host-side assembly for one step, as numpy arrays (the runner places them on its mesh itself).
 
         num_generated[i]: output tokens row i already has (its seed counter and its min_tokens clock).
         histories[i]: row i's TokenHistory; may be None when the row uses no penalty.
         step_seed: an engine counter that changes every step; unseeded row r draws with key (step_seed, r).
-        sharding: where the arrays go (default: the default device); the runner gives its mesh's batch sharding.
         A seeded row draws with key (seed, num_generated), so its tokens do not depend on the rest of the batch.
         """
         n = len(params_list)
@@ -148,9 +165,8 @@ class SamplingTensors(NamedTuple):
         banned_ids = np.full((batch_size, _bucket(max(map(len, banned.values()), default=0), 4)), vocab_size, np.int32)
         for i, ids in banned.items():
             banned_ids[i, : len(ids)] = ids
-        arrays = (temperature, top_k, top_p, min_p, rep, presence, frequency, rng, history_ids, history_counts,
-                  banned_ids)
-        return cls(*jax.device_put(arrays, sharding))  # one batched host-to-device transfer
+        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, history_ids, history_counts,
+                   banned_ids)
 
 
 class SampleOutput(NamedTuple):

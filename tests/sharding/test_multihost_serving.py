@@ -1,0 +1,156 @@
+"""Multi-host serving: two processes x 4 CPU devices (gloo) serve one TP 8 model; host 0 alone schedules and sends
+each step's ops to host 1, which runs them until host 0 stops. The greedy tokens equal one process on one device.
+Also the real server entry point on two hosts: host 0 answers HTTP, host 1 listens nowhere and exits with host 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+from sharding_flags import FAST_COMPILE
+from sharding_serving_worker import ENGINE_ARGS, drive
+
+from qwen_jax.engine import multihost
+from qwen_jax.engine.llm_engine import LLMEngine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+
+
+def _start(args: list[str], devices: int, log) -> subprocess.Popen:
+    """A host process writing its output to the file `log` (a pipe nobody reads while it runs could fill up)."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(devices), stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for every process; those still running `timeout` seconds from now are killed."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _failure(procs: list[subprocess.Popen], logs: list) -> str:
+    return f"exit codes {[p.returncode for p in procs]}\n" + "\n".join(
+        f"--- host {i}:\n{log.read_text(errors='replace')[-2500:]}" for i, log in enumerate(logs))
+
+
+def test_op_lists_round_trip_through_bytes():
+    ops = [("restore", np.array([3, 0], np.int32), np.array([1, 0], np.int32)),
+           ("forward", {"tokens": np.arange(6, dtype=np.int32).reshape(2, 3)},
+            (np.array([0.5, 0.0], np.float32), np.zeros((2, 0), np.int32), np.array([[7, 1, 2]], np.uint32)), 20),
+           ("save", np.array([1], np.int32), np.array([2], np.int32))]
+    back = multihost.unpack(multihost.pack(ops))
+    assert [op[0] for op in back] == ["restore", "forward", "save"] and back[1][3] == 20
+    for got, want in zip(_leaves(back), _leaves(ops), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+
+
+def _leaves(tree) -> list[np.ndarray]:
+    if isinstance(tree, np.ndarray):
+        return [tree]
+    if isinstance(tree, dict):
+        return [a for v in tree.values() for a in _leaves(v)]
+    if isinstance(tree, list | tuple):
+        return [a for v in tree for a in _leaves(v)]
+    return []
+
+
+def _write_tiny_checkpoint(directory) -> str:
+    """The tiny hybrid MoE as an HF directory: its config and random weights under the HF names."""
+    from safetensors.numpy import save_file
+    from sharding_tiny_models import TINY_CONFIGS
+
+    from qwen_jax.default_model import hf_tensors
+
+    directory.mkdir()
+    config = TINY_CONFIGS["qwen3_5_moe"]
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(hf_tensors(config["text_config"], seed=0), str(directory / "model.safetensors"))
+    return str(directory)
+
+
+def test_two_hosts_serve_the_single_host_greedy_tokens(tmp_path):
+    model_dir = _write_tiny_checkpoint(tmp_path / "tiny_moe")
+    port = _free_port()
+    outs = [tmp_path / f"host{i}.json" for i in range(2)]
+    logs = [tmp_path / f"host{i}.log" for i in range(2)]
+    start = time.perf_counter()
+    procs = [_start([os.path.join(HERE, "sharding_serving_worker.py"), str(i), str(port), model_dir, str(outs[i])],
+                    4, logs[i]) for i in range(2)]
+    _wait_all(procs, TIMEOUT_S)
+    assert [p.returncode for p in procs] == [0, 0], _failure(procs, logs)
+    leader, follower = (json.loads(o.read_text()) for o in outs)
+    print(f"2 hosts: {time.perf_counter() - start:.1f} s; {leader['messages']} messages, {leader['bytes']} bytes, "
+          f"{1e3 * leader['send_seconds'] / leader['messages']:.2f} ms to send one")
+    assert leader["messages"] == leader["steps"] == follower["steps"]  # one message per engine step
+
+    reference, steps = drive(LLMEngine(model_dir, **ENGINE_ARGS))
+    assert steps == leader["steps"]
+    assert leader["tokens"] == reference
+
+
+def test_server_on_two_hosts_answers_on_host_0_only(tmp_path):
+    """`python -m server` on two hosts (TP 2, one CPU device each): host 0 warms up and answers /v1/completions
+    while host 1 runs its steps and listens nowhere; SIGTERM to host 0 ends both, with exit code 0."""
+    from qwen_jax.default_model import ensure_default_model
+
+    model_dir = ensure_default_model(str(tmp_path / "cache"))
+    coordinator, ports = _free_port(), [_free_port(), _free_port()]
+    logs = [tmp_path / f"host{i}.log" for i in range(2)]
+    procs = [_start(["-m", "server", "--model", model_dir, "--num-hosts", "2", "--host-index", str(i),
+                     "--coordinator-address", f"127.0.0.1:{coordinator}", "--host", "127.0.0.1", "--port",
+                     str(ports[i]), "--tensor-parallel-size", "2", "--max-model-len", "256", "--max-num-seqs", "2",
+                     "--warmup", "minimal", "--compilation-cache-dir", "none"], 1, logs[i]) for i in range(2)]
+    url = f"http://127.0.0.1:{ports[0]}"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not _healthy(url):
+            assert all(p.poll() is None for p in procs), "a host exited during start-up\n" + _failure(procs, logs)
+            assert time.monotonic() < deadline, "host 0 not healthy in time\n" + _failure(procs, logs)
+            time.sleep(0.5)
+        body = {"model": "m", "prompt": "Hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 4
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", ports[1])) != 0, "host 1 must not serve HTTP"
+        procs[0].send_signal(signal.SIGTERM)
+        _wait_all(procs, 60)
+    finally:
+        _wait_all(procs, 0)
+    assert [p.returncode for p in procs] == [0, 0], _failure(procs, logs)
+    assert "following host 0" in logs[1].read_text()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:  # not listening yet, or 503 while loading (HTTPError is an OSError)
+        return False
