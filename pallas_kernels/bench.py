@@ -1,6 +1,6 @@
 """GPU benchmark of the Pallas kernels against their jnp references (`python -m pallas_kernels.bench`): time, achieved
-bandwidth (and TFLOP/s for the MoE GEMM) and on-device error per shape, as markdown tables. Never writes files and
-never touches the model. `--only gdn` or `--only moe` runs one kernel.
+bandwidth (and TFLOP/s for the MoE GEMM and attention) and on-device error per shape, as markdown tables. Never writes
+files and never touches the model. `--only gdn`, `--only moe` or `--only paged_attention` runs one kernel.
 
 Exit status: 0 when every kernel configuration lowered, ran and matched its reference; 1 otherwise (the reference
 timings are printed either way); 2 when there is no GPU and --small was not given.
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import moe_gemm
+from pallas_kernels import moe_gemm, paged_attention
 from pallas_kernels.gdn_decode import gdn_decode, reference
 from qwen_jax.layers.mlp import route
 
@@ -233,12 +233,129 @@ def bench_moe(dims: dict, configs: list, interpret: bool, deadline: float, failu
     return "\n".join(lines)
 
 
+# ---- paged attention -------------------------------------------------------------------------------------------
+PA_FULL = dict(heads=16, kv_heads=2, head_dim=256, block_size=16, decode=((1, 2048), (16, 2048), (64, 2048)),
+               prefill=((1, 4096), (8, 1024)), chain=10, repeats=10)  # Qwen3.5-35B-A3B; (rows, context)
+PA_SMALL = dict(heads=4, kv_heads=2, head_dim=16, block_size=4, decode=((3, 24),), prefill=((2, 16),), chain=2,
+                repeats=2)
+# (block_m, block_k, num_splits, num_warps, num_stages); None: the kernel's default (block_m has no say in decode)
+PA_DECODE_CONFIGS = [(None,) * 5, (None, 128, None, 4, 2), (None, 64, None, 2, 3), (None, 64, None, 4, 3),
+                     (None, 64, 1, 4, 2), (None, 64, 16, 4, 2)]
+PA_PREFILL_CONFIGS = [(None,) * 5, (128, 64, None, 8, 2), (128, 32, None, 8, 3), (64, 64, None, 4, 2),
+                      (64, 32, None, 4, 3)]
+PA_PEAK_TBS = 4.8  # H200 HBM3e, the decode roofline
+PA_MAX_REL_ERR = 2e-2  # bf16 (the reference also rounds its scores to bf16); an indexing bug gives errors of order 1
+
+
+def attention_inputs(rows: int, seq: int, context: int, dims: dict) -> tuple:
+    """bf16 q for the last `seq` tokens of a `context`-token sequence per row; every row's pages distinct and
+    shuffled across the cache (page 0, the padding sink, unused)."""
+    heads, kv, dim, bs = dims["heads"], dims["kv_heads"], dims["head_dim"], dims["block_size"]
+    pages = -(-context // bs)
+    keys = jax.random.split(jax.random.key(rows * 7919 + seq), 3)
+    q = jax.random.normal(keys[0], (rows, seq, heads, dim)).astype(jnp.bfloat16)
+    k_cache = jax.random.normal(keys[1], (rows * pages + 1, bs, kv, dim)).astype(jnp.bfloat16)
+    v_cache = jax.random.normal(keys[2], (rows * pages + 1, bs, kv, dim)).astype(jnp.bfloat16)
+    tables = jnp.asarray(np.random.default_rng(rows).permutation(rows * pages).reshape(rows, pages) + 1, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(context - seq, context, dtype=jnp.int32), (rows, seq))
+    return q, k_cache, v_cache, positions, jnp.full((rows,), context, jnp.int32), tables
+
+
+def time_chained(fn: Callable, args: tuple, chain: int, repeats: int) -> float:
+    """Median device microseconds per call of fn(q, *operands) -> q's shape: `chain` calls unrolled in one jitted
+    program, each call's output the next one's q (no host dispatch or loop condition per call). An optimization
+    barrier before each call hides that the operands repeat, so XLA cannot share work between the calls (the
+    reference's page gather, say)."""
+    def chained(q, *operands):
+        for _ in range(chain):
+            q, *operands = jax.lax.optimization_barrier((q, *operands))
+            q = fn(q, *operands)
+        return q
+
+    looped = jax.jit(chained)
+    jax.block_until_ready(looped(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(looped(*args))
+        times.append((time.perf_counter() - t0) / chain)
+    return statistics.median(times) * 1e6
+
+
+def _pa_line(lines, case, moved, flops, roof, ref_us, impl, config, us, err=float("nan"), note=""):
+    tbs, tflops = moved / us / 1e6, flops / us / 1e6
+    ratio = tbs / PA_PEAK_TBS if roof == "HBM" else tflops / PEAK_TFLOPS
+    lines.append(f"| {case} | {impl} | {config} | {us:.1f} | {tbs:.2f} | {tflops:.1f} | {ratio:.0%} of {roof} "
+                 f"| {ref_us / us:.2f}x | {err:.1e} | {note} |")
+    print(lines[-1], flush=True)
+
+
+def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: float, failures: list) -> str:
+    lines = [f"| case | impl | config | us/call | TB/s (K, V, q, o) | TFLOP/s | roofline ({PA_PEAK_TBS} TB/s HBM or "
+             f"{PEAK_TFLOPS:.0f} TFLOP/s) | vs reference | rel err | note |", "|---" * 10 + "|"]
+    heads, kv, dim = dims["heads"], dims["kv_heads"], dims["head_dim"]
+    cases = [("decode", rows, 1, context) for rows, context in dims["decode"]]
+    cases += [("prefill", rows, context, context) for rows, context in dims["prefill"]]
+    for kind, rows, seq, context in cases:
+        case = f"{kind} B={rows} ctx={context}" + (f" S={seq}" if seq > 1 else "")
+        q, k_cache, v_cache, positions, context_lens, tables = attention_inputs(rows, seq, context, dims)
+        scale = dim ** -0.5
+        moved = rows * context * kv * dim * 2 * 2 + 2 * rows * seq * heads * dim * 2
+        causal_pairs = seq * (seq + 1) // 2 + seq * (context - seq)  # (query, key) pairs a causal mask keeps
+        flops = 2 * 2 * rows * causal_pairs * heads * dim
+        roof = "HBM" if kind == "decode" else "MMA"
+        line = functools.partial(_pa_line, lines, case, moved, flops, roof)
+        chain, repeats = dims["chain"], dims["repeats"]
+
+        args = (q, k_cache, v_cache)  # fn(q, k_cache, v_cache)
+        rest = dict(positions=positions, context_lens=context_lens, block_tables=tables, scale=scale)
+        ref = functools.partial(paged_attention.reference, **rest)
+        want = np.asarray(jax.jit(ref)(*args), np.float64)
+        ref_us = time_chained(ref, args, chain, repeats)
+        line = functools.partial(line, ref_us)
+        line("jnp reference (XLA)", "-", ref_us)
+
+        if not interpret:  # the dense-attention baseline: cuDNN's fused kernel on K/V already gathered
+            dense_k = k_cache[tables].reshape(rows, -1, kv, dim)[:, :context]
+            dense_v = v_cache[tables].reshape(rows, -1, kv, dim)[:, :context]
+            cudnn = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=seq > 1,
+                                      implementation="cudnn")
+            try:
+                err = rel_err(jax.jit(cudnn)(q, dense_k, dense_v), want)
+                line("cuDNN dot_product_attention, dense K/V", "-",
+                     time_chained(cudnn, (q, dense_k, dense_v), chain, repeats), err)
+            except Exception as e:  # cuDNN refuses this shape or is not installed
+                line("cuDNN dot_product_attention, dense K/V", "-", float("nan"),
+                     note=f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+
+        configs = PA_DECODE_CONFIGS if kind == "decode" else PA_PREFILL_CONFIGS
+        for bm, bk, splits, warps, stages in configs[:2] if small else configs:
+            config = "defaults" if (bm, bk, splits, warps, stages) == (None,) * 5 else \
+                f"BM={bm or '-'} BK={bk} splits={splits or 'auto'} w={warps} s={stages}"
+            if time.perf_counter() > deadline:
+                line("pallas paged_attention", config, float("nan"), note="skipped: time budget")
+                continue
+            fn = functools.partial(paged_attention.paged_attention, **rest, block_m=bm, block_k=bk, num_splits=splits,
+                                   num_warps=warps, num_stages=stages, interpret=interpret)
+            try:
+                err = rel_err(jax.jit(fn)(*args), want)
+                note = "" if err < PA_MAX_REL_ERR else f"rel err above {PA_MAX_REL_ERR:g}"
+                line("pallas paged_attention", config, time_chained(fn, args, chain, repeats), err, note)
+            except Exception as e:  # a lowering or compile error: report it and keep going
+                note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                print("".join(traceback.format_exc(limit=8))[-4000:], file=sys.stderr, flush=True)
+                line("pallas paged_attention", config, float("nan"), note=note)
+            if note:
+                failures.append(f"paged_attention {case} {config}: {note}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
     parser.add_argument("--budget-s", type=float, default=70.0, help="start no kernel configuration after this "
                         "(per kernel)")
-    parser.add_argument("--only", choices=("gdn", "moe"), help="benchmark one kernel")
+    parser.add_argument("--only", choices=("gdn", "moe", "paged_attention"), help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     backend = jax.default_backend()
@@ -248,24 +365,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     interpret = backend == "cpu"
     failures = []
-    if args.only != "gdn":
+    if args.only in (None, "moe"):
         dims = MOE_SMALL if args.small else MOE_FULL
         print(f"moe_gemm: E={dims['experts']} H={dims['hidden']} I={dims['inter']} top_k={dims['top_k']}; "
               f"median of {dims['repeats']} x ({dims['inner']} calls queued, then block)", flush=True)
         text = bench_moe(dims, MOE_CONFIGS[:2] if args.small else MOE_CONFIGS, interpret,
                          time.perf_counter() + args.budget_s, failures)
         print(f"\n### moe_gemm on {jax.devices()[0].device_kind} ({time.perf_counter() - start:.0f} s)\n\n{text}\n")
-    if args.only == "moe":
-        return _report(failures)
-    dims = SMALL if args.small else FULL
-    configs = [(8, 1)] if args.small else CONFIGS
-    print(f"gdn_decode: nk={dims['nk']} nv={dims['nv']} dk={dims['dk']} dv={dims['dv']}, slots = B + 1, "
-          f"{dims['repeats']} repeats; queued = {dims['inner']} calls back to back, then block", flush=True)
-    rows, gdn_start = [], time.perf_counter()
-    for batch in dims["batches"]:
-        rows += bench_shape(batch, dims, configs, interpret, gdn_start + args.budget_s, failures)
-    print(f"\n### gdn_decode on {jax.devices()[0].device_kind} ({time.perf_counter() - gdn_start:.0f} s)\n")
-    print(table(rows))
+    if args.only in (None, "gdn"):
+        dims = SMALL if args.small else FULL
+        configs = [(8, 1)] if args.small else CONFIGS
+        print(f"gdn_decode: nk={dims['nk']} nv={dims['nv']} dk={dims['dk']} dv={dims['dv']}, slots = B + 1, "
+              f"{dims['repeats']} repeats; queued = {dims['inner']} calls back to back, then block", flush=True)
+        rows, gdn_start = [], time.perf_counter()
+        for batch in dims["batches"]:
+            rows += bench_shape(batch, dims, configs, interpret, gdn_start + args.budget_s, failures)
+        print(f"\n### gdn_decode on {jax.devices()[0].device_kind} ({time.perf_counter() - gdn_start:.0f} s)\n")
+        print(table(rows))
+    if args.only in (None, "paged_attention"):
+        dims, pa_start = PA_SMALL if args.small else PA_FULL, time.perf_counter()
+        print(f"\npaged_attention: heads={dims['heads']} kv_heads={dims['kv_heads']} D={dims['head_dim']} "
+              f"block_size={dims['block_size']}, bf16; us/call = median of {dims['repeats']} x ({dims['chain']} "
+              "calls chained in one program) / chain; roofline: decode HBM, prefill tensor cores", flush=True)
+        text = bench_paged_attention(dims, interpret, args.small, pa_start + args.budget_s, failures)
+        print(f"\n### paged_attention on {jax.devices()[0].device_kind} ({time.perf_counter() - pa_start:.0f} s)"
+              f"\n\n{text}\n")
     return _report(failures)
 
 

@@ -1,6 +1,7 @@
 """Full causal attention over a paged KV cache: projections, q/k norm, partial RoPE, GQA, output gate.
 
-Reference math: gathers each sequence's pages into a dense context. Never writes outside the block tables.
+Reference math: gathers each sequence's pages into a dense context; `kernels="gpu"` swaps in
+pallas_kernels/paged_attention.py. Never writes outside the block tables.
 """
 
 import jax
@@ -65,8 +66,12 @@ def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_fr
     k = apply_rope(k, positions, inv_freq, cfg.rope_interleaved)
     k_cache = write_kv(cache["k"], k, positions, valid, batch["block_tables"])
     v_cache = write_kv(cache["v"], v, positions, valid, batch["block_tables"])
-    out = paged_attention(q, k_cache, v_cache, positions, batch["context_lens"], batch["block_tables"],
-                          cfg.head_dim ** -0.5)
+    attend = paged_attention
+    if cfg.kernels == "gpu":
+        # Flash-attention kernel over the pages (pallas_kernels/paged_attention.py): reads only the keys each row
+        # sees, never builds the dense context or the full score tensor.
+        from pallas_kernels.paged_attention import paged_attention as attend  # lazy: it imports this module
+    out = attend(q, k_cache, v_cache, positions, batch["context_lens"], batch["block_tables"], cfg.head_dim ** -0.5)
     if cfg.attn_output_gate:
         gate = _proj(x, p["gate"], None).astype(jnp.float32)
         out = out * jax.nn.sigmoid(gate).astype(out.dtype)  # sigmoid in float32 and rounded once, as torch does
