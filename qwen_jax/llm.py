@@ -85,9 +85,10 @@ class AsyncLLM:
     """An engine thread plus one asyncio queue per request. Construct with from_engine_args, then `await start()`."""
 
     def __init__(self, model_path: str, engine_args: dict, warmup: str = "auto"):
-        """warmup: "minimal" compiles the smallest step shapes before serving; "full" also every decode batch size
-        up to max_num_seqs (a new batch size met while serving would stall every running request while it compiles);
-        "auto" is "full" on accelerators and "minimal" on the CPU."""
+        """warmup: "minimal" compiles a one-row prefill and decode before serving; "full" every padded shape a step
+        can take (runner.step_shapes: decode batch sizes up to max_num_seqs, prefill rows x lengths up to the token
+        budget), since a shape first met while serving stalls every running request while it compiles; "auto" is
+        "full" on accelerators and "minimal" on the CPU."""
         if warmup not in ("auto", "minimal", "full"):
             raise ValueError(f"warmup must be 'auto', 'minimal' or 'full', not {warmup!r}")
         self.model_path = model_path
@@ -140,16 +141,7 @@ class AsyncLLM:
 
     def _build(self) -> LLMEngine:
         engine = LLMEngine(self.model_path, **self.engine_args)
-        # Warm up: n requests at once through prefill and one decode step compile the n-row buckets.
-        full = self.warmup == "full" or (self.warmup == "auto" and jax.default_backend() != "cpu")
-        most = engine.cores[0].max_num_seqs if full else 1
-        # Powers of two below max_num_seqs, then max_num_seqs itself: the runner pads a batch to the next power of
-        # two, so these reach every decode bucket.
-        for n in [min(1 << i, most) for i in range((most - 1).bit_length() + 1)]:
-            for i in range(n * len(engine.cores)):
-                engine.add_request(f"warmup-{n}-{i}", [0] * 8, SamplingParams(max_tokens=2, temperature=0.0))
-            while engine.has_unfinished:
-                engine.step()
+        engine.warmup(full=self.warmup == "full" or (self.warmup == "auto" and jax.default_backend() != "cpu"))
         return engine
 
     def is_ready(self) -> bool:

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
 export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0
-PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server restart} "
+PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server restart} "  # also: one_batch latency_4b
 part() { [[ "$PARTS" == *" $1 "* ]] || return 1; echo "== $1 ($(date +%T))"; }
 
 if part kernels; then
@@ -63,7 +63,7 @@ if part server; then
     --levels-out "$OUT/levels.json" ${PREV:+--previous-levels "$PREV"} > "$OUT/serve_bench.txt" 2>&1
   chat
   grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
-  curl -s "$URL/metrics" > "$OUT/metrics.txt"
+  curl -s "$URL/metrics" > "$OUT/metrics.txt"; grep "^qwen_jax_engine_step" "$OUT/metrics.txt"
   ./start.sh --stop
 fi
 
@@ -80,4 +80,22 @@ timeout "${T_TRACES:-150}" python3 -m qwen_jax.bench.engine --config "$MODEL/con
   --scale --warmup 1 --repeats 2 --results "$OUT/RESULTS.json" --device-name H200 --layout TP=1 \
   --kernels "${KERNELS:-gpu}" \
   > "$OUT/traces.txt" 2>&1; grep -v "^W1\|^I1" "$OUT/traces.txt" | tail -12
+fi
+
+if part one_batch; then  # SGLang-style batch latency, 4,096-token inputs (through qwen_jax.LLM)
+  timeout "${T_ONE_BATCH:-300}" python3 -m qwen_jax.bench.engine --config "$MODEL/config.json" --device cuda \
+    --mode one-batch --batch "${BATCHES:-1,2,4,8,16,64}" --input-len 4096 --output-len 32 --warmup 1 \
+    --kernels "${KERNELS:-gpu}" --results "$OUT/RESULTS.json" --device-name H200 --layout TP=1 \
+    > "$OUT/one_batch.txt" 2>&1; grep -v "^W1\|^I1" "$OUT/one_batch.txt" | tail -12
+fi
+
+if part latency_4b; then  # single-request latency of the dense hybrid (Qwen3.5-4B shapes), through the server
+  M4=.devdata/Qwen3.5-4B
+  ./start.sh --model "$M4" --load-format dummy --max-model-len 8704 --max-num-seqs 4 --port 8000 \
+    --kernels "${KERNELS:-gpu}" --compilation-cache-dir /tmp/qwen_jax_cc > "$OUT/start_4b.txt" 2>&1 || tail -30 "$OUT/server.log"
+  timeout "${T_LATENCY:-400}" python3 -m qwen_jax.bench.latency --base-url "$URL" --model m --tokenizer "$M4" \
+    --num-requests "${LAT_N:-50}" --results "$OUT/RESULTS.json" --device H200 --device-count 1 --layout TP=1 \
+    --weights random --label "Qwen3.5-4B shapes, kernels=${KERNELS:-gpu}" --no-progress > "$OUT/latency_4b.txt" 2>&1
+  grep -v "^W1\|^I1" "$OUT/latency_4b.txt" | tail -12
+  ./start.sh --stop
 fi

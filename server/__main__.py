@@ -141,6 +141,9 @@ def follow(model: str, args: dict) -> int:
     return 0
 
 
+SWITCH_INTERVAL_S = float(os.environ.get("QWEN_JAX_SWITCH_INTERVAL", "0.0005"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -169,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                           max_num_seqs=running, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_request_bytes)
     app = create_app(engine, config)
+    # The engine thread dispatches a step's programs while the event loop turns the last step's tokens into stream
+    # chunks; with CPython's default 5 ms GIL switch interval the dispatch waits out the loop's busy spells.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     return asyncio.run(serve(app, args.host, args.port, args.graceful_timeout))
 
 

@@ -229,8 +229,8 @@ def offline_llm_class() -> Any | None:
 def build_llm(model_dir: str, weights: str | None, max_batch: int, max_len: int, batched_tokens: int,
               kernels: str | None = None) -> Any:
     """The offline LLM for one-batch runs: dummy weights unless `weights` is given (then it must equal
-    `model_dir`, the LLM reads config and checkpoint from one directory), no prefix cache, and a token budget
-    that lets the whole batch prefill in one step."""
+    `model_dir`, the LLM reads config and checkpoint from one directory), no prefix cache, and a prefill token
+    budget of `batched_tokens` per step (64 x 4,096 tokens in one step would need memory for their activations)."""
     llm_cls = offline_llm_class()
     if llm_cls is None:
         raise SystemExit("qwen_jax.LLM does not exist in this checkout; use --api engine")
@@ -292,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--input-len", type=int, default=4096)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="one-batch: the LLM's prefill token budget per step (at most batch x input-len)")
     p.add_argument("--kernels", choices=["reference", "gpu"], default=None,
                    help="this repo's kernel switch (default: the engine's own default)")
     p.add_argument("--results", default=DEFAULT_RESULTS, help="RESULTS.json to append to; 'none' to skip")
@@ -333,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if batches and api == "llm":
         engine = None  # free the trace engine's cache before the LLM allocates its own
         llm = build_llm(args.config, args.weights, max(batches), args.input_len + args.output_len,
-                        max(batches) * args.input_len, args.kernels)
+                        min(max(batches) * args.input_len, args.max_num_batched_tokens), args.kernels)
     for b in batches:
         if api == "llm":
             row = llm_one_batch(llm, b, args.input_len, args.output_len, vocab, args.seed, args.warmup)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache
-from qwen_jax.engine.runner import ModelRunner
+from qwen_jax.engine.runner import ModelRunner, prefill_len, step_shapes
 from qwen_jax.engine.sampler import SampleOutput, TokenHistory
 from qwen_jax.engine.scheduler import Row, Scheduler
 from qwen_jax.engine.sequence import Sequence
@@ -114,6 +114,15 @@ class EngineCore:
         self.scheduler.complete(plan)
         return results
 
+    def warmup(self, full: bool) -> None:
+        """Compile this replica's step programs before it serves: every (rows, length) a step can take (full), or a
+        one-row prefill and decode (minimal). Runs padding rows only: no request, block or counter is touched."""
+        if full:
+            shapes = step_shapes(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        else:
+            shapes = [(1, 1), (1, prefill_len(2, self.max_num_batched_tokens))]
+        self.runner.warmup(shapes, max_pairs=self.max_num_seqs if full else 1)
+
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
@@ -130,4 +139,5 @@ class EngineCore:
             "state_slots_used": (slots.num_slots - 1 - slots.num_free) if slots else 0,
             "state_slots_total": (slots.num_slots - 1) if slots else 0,
             "prefix_cache_queries": cache.queries if cache else 0, "prefix_cache_hits": cache.hits if cache else 0,
+            "step_device_wait_seconds_total": self.runner.device_wait_seconds,
         }

@@ -170,6 +170,8 @@ class LLMEngine:
         self._sent: dict[str, tuple[int, int]] = {}  # request -> (tokens, characters) already reported
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_steps = 0
+        self.step_seconds = 0.0  # wall time of step(): scheduling, batches, dispatch, waiting, detokenizing
         log.info("loaded %s in %.1fs; %s; total over %d replica(s): %d sequences at once, %d KV cache tokens",
                  self.model_path, self.load_seconds, "; ".join(c.describe() for c in self.cores), dp,
                  sum(c.max_num_seqs for c in self.cores), sum(c.num_tokens for c in self.cores))
@@ -232,10 +234,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return any(c.has_work for c in self.cores)
 
+    def warmup(self, full: bool = False) -> None:
+        """Compile the step programs before serving (EngineCore.warmup), every replica at once."""
+        if self._pool is not None:
+            list(self._pool.map(lambda c: c.warmup(full), self.cores))
+        else:
+            self.cores[0].warmup(full)
+
     # ---- the loop --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step of every replica that has work (concurrently when several do), then the sampled tokens are
         applied here, on the calling thread (the only one that touches the engine's bookkeeping)."""
+        start = time.perf_counter()
         busy = [c for c in self.cores if c.has_work]
         if len(busy) > 1:
             results = [r for rs in self._pool.map(lambda c: c.step(self._histories), busy) for r in rs]
@@ -259,6 +269,9 @@ class LLMEngine:
                 top = [(int(a), float(b)) for a, b in zip(out.top_ids[i][:n], out.top_logprobs[i][:n])]
                 self._logprobs[seq.request_id].append(TokenLogprob(token, float(out.logprobs[i]), top))
             outputs.append(self._advance(seq, token))
+        if busy:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
         return outputs
 
     def _advance(self, seq: Sequence, token: int) -> RequestOutput:
@@ -335,5 +348,6 @@ class LLMEngine:
         for core in self.cores:
             for key, value in core.stats().items():
                 totals[key] = totals.get(key, 0) + value
-        return {**totals, "prompt_tokens_total": self.prompt_tokens_total,
+        return {**totals, "steps_total": self.num_steps, "step_seconds_total": self.step_seconds,
+                "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total}

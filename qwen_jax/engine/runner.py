@@ -9,6 +9,7 @@ decides who runs (the scheduler does).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 
 import jax
@@ -30,6 +31,58 @@ TOP_LOGPROBS_WIDTH = SamplingParams.MAX_LOGPROBS
 
 def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def coarse_bucket(n: int, minimum: int) -> int:
+    """The smallest minimum * 4^k >= n: prefill shapes step by 4x, so a full warm-up has few of them to compile."""
+    size = minimum
+    while size < n:
+        size *= 4
+    return size
+
+
+def prefill_len(num_tokens: int, max_batched_tokens: int) -> int:
+    """The padded length of a prefill row of num_tokens tokens: 16, 64, 256, 1,024, ... up to the token budget."""
+    return min(coarse_bucket(num_tokens, 16), bucket(max_batched_tokens, 16))
+
+
+def prefill_rows(seq_len: int, max_batched_tokens: int) -> int:
+    """Rows per prefill program of padded length seq_len."""
+    return max(1, max_batched_tokens // seq_len)
+
+
+def prefill_batch(num_rows: int, seq_len: int, max_batched_tokens: int) -> int:
+    """The padded row count of a prefill program: 1, 4, 16, 64, ... up to what the token budget allows."""
+    return min(coarse_bucket(num_rows, 1), bucket(prefill_rows(seq_len, max_batched_tokens)))
+
+
+def step_groups(decode: list[Row], prefill: list[Row], max_batched_tokens: int
+                ) -> list[tuple[list[Row], int, int]]:
+    """A step's rows as programs: (rows, padded length, padded row count) each. Decode rows are one program
+    (padded to a power of two: decode shapes are the ones every running request waits on); prefill rows are grouped
+    by padded length (a 16-token tail never pads to 1,024) and split to fit the token budget."""
+    groups = [(decode, 1, bucket(len(decode)))] if decode else []
+    by_len: dict[int, list[Row]] = {}
+    for r in prefill:
+        by_len.setdefault(prefill_len(r.num_tokens, max_batched_tokens), []).append(r)
+    for seq_len, rows in sorted(by_len.items()):
+        per_call = prefill_rows(seq_len, max_batched_tokens)
+        for i in range(0, len(rows), per_call):
+            chunk = rows[i:i + per_call]
+            groups.append((chunk, seq_len, prefill_batch(len(chunk), seq_len, max_batched_tokens)))
+    return groups
+
+
+def step_shapes(max_num_seqs: int, max_batched_tokens: int, max_model_len: int) -> list[tuple[int, int]]:
+    """Every padded (rows, length) a step can run (step_groups of any plan the scheduler makes): decode [B, 1] for
+    B up to max_num_seqs, and prefill [R, L] for every length up to the longest chunk, R up to what fits the token
+    budget. Compiling them all before serving keeps compile stalls out of requests (AsyncLLM's full warm-up)."""
+    shapes = sorted({(bucket(n), 1) for n in range(1, max_num_seqs + 1)})
+    longest = min(max_batched_tokens, max_model_len)
+    for seq_len in sorted({prefill_len(n, max_batched_tokens) for n in range(2, longest + 1)}):
+        most = min(max_num_seqs, prefill_rows(seq_len, max_batched_tokens))
+        shapes += sorted({(prefill_batch(n, seq_len, max_batched_tokens), seq_len) for n in range(1, most + 1)})
+    return shapes
 
 
 # A step runs as separately compiled programs, embed -> one per group of consecutive layers -> head + sampler,
@@ -158,10 +211,17 @@ class ModelRunner:
         # What runs a step's op list (see run): `execute` here; a multi-host leader's engine puts the broadcast to
         # the other hosts in front of it (engine/multihost.py).
         self.executor: Callable[[list], list[SampleOutput]] = self.execute
+        # Time spent blocked on the devices' sampled tokens; the rest of a step is host work (engine.stats()).
+        self.device_wait_seconds = 0.0
 
     # ---- batches -------------------------------------------------------------------------------------------
     def _table_width(self, rows: list[Row]) -> int:
-        needed = max(len(r.seq.block_table) for r in rows)
+        """Block-table columns of a batch. The paged attention kernel (kernels="gpu") reads only a row's real
+        context, so its tables are always full width: one compiled program per (rows, length) instead of one per
+        width too. The reference gathers every column, so it gets the narrowest power-of-two bucket."""
+        if self.cfg.kernels == "gpu":
+            return self.max_blocks_per_seq
+        needed = max((len(r.seq.block_table) for r in rows), default=1)
         return min(self.max_blocks_per_seq, bucket(needed, max(1, self.max_blocks_per_seq // 8)))
 
     def _batch(self, rows: list[Row], batch_size: int, seq_len: int) -> dict:
@@ -171,7 +231,7 @@ class ModelRunner:
         slots = np.zeros(batch_size, np.int32)
         tables = np.zeros((batch_size, self._table_width(rows)), np.int32)
         for i, r in enumerate(rows):
-            ids = r.seq.all_token_ids[r.start:r.start + r.num_tokens]
+            ids = r.seq.token_ids(r.start, r.start + r.num_tokens)
             tokens[i, :len(ids)] = ids
             starts[i], lens[i] = r.start, r.num_tokens
             slots[i] = r.seq.slot or 0
@@ -194,20 +254,12 @@ class ModelRunner:
         ("restore", src, dst) copies snapshots into state slots, ("forward", batch, sampling tensors, number of top
         logprobs) runs one padded group of rows, ("save", src, dst) copies state slots into snapshots (numpy arrays
         and ints only, so that a multi-host leader can send the same list to the other hosts)."""
-        groups = []
-        if decode:
-            groups.append((decode, 1))
-        if prefill:
-            seq_len = bucket(max(r.num_tokens for r in prefill), 16)
-            per_call = max(1, max_batched_tokens // seq_len)
-            for i in range(0, len(prefill), per_call):
-                groups.append((prefill[i:i + per_call], seq_len))
+        groups = step_groups(decode, prefill, max_batched_tokens)
         ops = []
         restore = [(r.restore_snapshot, r.seq.slot) for r in decode + prefill if r.restore_snapshot is not None]
         if restore and self.snapshots is not None:
             ops.append(("restore", *self._pairs(restore)))
-        for rows, seq_len in groups:
-            batch_size = bucket(len(rows))
+        for rows, seq_len, batch_size in groups:
             top = max((r.seq.params.logprobs or 0) for r in rows)
             ops.append(("forward", self._batch(rows, batch_size, seq_len), self._sampling(rows, batch_size, histories),
                         0 if top == 0 else TOP_LOGPROBS_WIDTH))
@@ -215,10 +267,28 @@ class ModelRunner:
         if save and self.snapshots is not None:
             ops.append(("save", *self._pairs(save)))
         results = []
-        for (rows, _), out in zip(groups, self.executor(ops), strict=True):
+        for (rows, _, _), out in zip(groups, self.executor(ops), strict=True):
+            waited = time.perf_counter()
             host = SampleOutput(*jax.device_get(tuple(out)))
+            self.device_wait_seconds += time.perf_counter() - waited
             results += [(r, host, i) for i, r in enumerate(rows)]
         return results
+
+    def warmup(self, shapes: list[tuple[int, int]], max_pairs: int) -> None:
+        """Compile the programs of every padded (rows, length) in `shapes` and the snapshot copies of up to
+        `max_pairs` pairs, by running them on padding rows only (length 0, slot 0, block 0): they write nothing but
+        the sinks (KV block 0, state slot 0, snapshot 0). Through the executor, so other hosts compile them too."""
+        width = self._table_width([])
+        for rows, seq_len in shapes:
+            zeros = np.zeros(rows, np.int32)
+            batch = make_batch(np.zeros((rows, seq_len), np.int32), zeros, zeros, zeros,
+                               np.zeros((rows, width), np.int32))
+            tensors = SamplingTensors.build_host([], [], [], vocab_size=self.vocab_size, batch_size=rows)
+            jax.block_until_ready(self.executor([("forward", batch, tensors, 0)]))
+        if self.snapshots is not None:
+            for n in sorted({bucket(min(1 << i, max_pairs)) for i in range(max_pairs.bit_length() + 1)}):
+                self.executor([("restore", *self._pairs([(0, 0)] * n)), ("save", *self._pairs([(0, 0)] * n))])
+        jax.block_until_ready(self.cache)
 
     def execute(self, ops: list) -> list[SampleOutput]:
         """Issue the device work of one step's ops (see run), in order: the forward ops' SampleOutputs, on the

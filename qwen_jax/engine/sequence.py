@@ -40,6 +40,13 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (the runner reads one token per decode row)."""
+        split = len(self.prompt_token_ids)
+        if start >= split:
+            return self.output_token_ids[start - split:end - split]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - split)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

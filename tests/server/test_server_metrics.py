@@ -47,6 +47,12 @@ def test_metrics_parse_and_follow_traffic(server):
         value(before, "qwen_jax_time_to_first_token_seconds_count") == 2
     assert value(after, "qwen_jax_time_per_output_token_seconds_count") > 0
     assert value(after, "qwen_jax_request_success_total", finish_reason="length") >= 2
+    # two requests of 5 tokens: at least 5 steps (they may share steps), each with some device wait inside it
+    steps = value(after, "qwen_jax_engine_steps_total") - value(before, "qwen_jax_engine_steps_total")
+    seconds = value(after, "qwen_jax_engine_step_seconds_total") - value(before, "qwen_jax_engine_step_seconds_total")
+    waited = value(after, "qwen_jax_engine_step_device_wait_seconds_total") - \
+        value(before, "qwen_jax_engine_step_device_wait_seconds_total")
+    assert 5 <= steps <= 12 and 0 < waited < seconds
     assert value(after, "qwen_jax_num_requests_running") == 0 and value(after, "qwen_jax_num_requests_waiting") == 0
     assert value(after, "qwen_jax_kv_blocks_total") > 0 and value(after, "qwen_jax_state_slots_total") > 0
     assert 0 <= value(after, "qwen_jax_kv_cache_usage_perc") <= 1
