@@ -86,6 +86,13 @@ def time_step(step: Callable, inputs: dict, state: jax.Array, repeats: int, inne
     return statistics.median(queued) * 1e6, statistics.median(blocked) * 1e6
 
 
+def failure_note(error: Exception, label: str) -> str:
+    """A kernel that failed to lower, compile or run: its traceback to stderr, a one-line note for the table."""
+    print(f"{label}: kernel failed\n" + "".join(traceback.format_exc(limit=8))[-4000:], file=sys.stderr, flush=True)
+    first = str(error).splitlines()[0][:160] if str(error) else ""
+    return f"FAILED: {type(error).__name__}: {first}"
+
+
 def rel_err(x: jax.Array, y: jax.Array) -> float:
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
@@ -138,9 +145,7 @@ def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline
             row.queued_us, row.blocked_us = time_step(step, inputs, jnp.copy(state), repeats, inner)
             row.tbs = moved / row.queued_us / 1e6
         except Exception as e:  # a lowering or compile error: report it and keep going
-            row.note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            print(f"B={batch} {row.config}: kernel failed\n" + "".join(traceback.format_exc(limit=8))[-4000:],
-                  file=sys.stderr, flush=True)
+            row.note = failure_note(e, f"B={batch} {row.config}")
         if row.note:
             failures.append(f"B={batch} {row.config}: {row.note}")
         print(f"B={batch} {row.config}: {row.queued_us:.1f} us/call queued, {row.blocked_us:.1f} us blocked, "
@@ -225,8 +230,7 @@ def bench_moe(dims: dict, configs: list, interpret: bool, deadline: float, failu
                 note = "" if err < MOE_MAX_REL_ERR else f"rel err above {MOE_MAX_REL_ERR:g}"
                 line("pallas moe_gemm", config, time_call(fn, args, dims["repeats"], dims["inner"]), err, note)
             except Exception as e:  # a lowering or compile error: report it and keep going
-                note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                print("".join(traceback.format_exc(limit=8))[-4000:], file=sys.stderr, flush=True)
+                note = failure_note(e, f"moe T={tokens} {config}")
                 line("pallas moe_gemm", config, float("nan"), note=note)
             if note:
                 failures.append(f"moe T={tokens} {config}: {note}")
@@ -342,8 +346,7 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
                 note = "" if err < PA_MAX_REL_ERR else f"rel err above {PA_MAX_REL_ERR:g}"
                 line("pallas paged_attention", config, time_chained(fn, args, chain, repeats), err, note)
             except Exception as e:  # a lowering or compile error: report it and keep going
-                note = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                print("".join(traceback.format_exc(limit=8))[-4000:], file=sys.stderr, flush=True)
+                note = failure_note(e, f"paged_attention {case} {config}")
                 line("pallas paged_attention", config, float("nan"), note=note)
             if note:
                 failures.append(f"paged_attention {case} {config}: {note}")

@@ -33,6 +33,11 @@ def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def batch_buckets(most: int) -> list[int]:
+    """The padded sizes bucket() gives to 1..most rows: 1, 2, 4, ... up to bucket(most)."""
+    return sorted({bucket(n) for n in range(1, most + 1)})
+
+
 def coarse_bucket(n: int, minimum: int) -> int:
     """The smallest minimum * 4^k >= n: prefill shapes step by 4x, so a full warm-up has few of them to compile."""
     size = minimum
@@ -77,7 +82,7 @@ def step_shapes(max_num_seqs: int, max_batched_tokens: int, max_model_len: int) 
     """Every padded (rows, length) a step can run (step_groups of any plan the scheduler makes): decode [B, 1] for
     B up to max_num_seqs, and prefill [R, L] for every length up to the longest chunk, R up to what fits the token
     budget. Compiling them all before serving keeps compile stalls out of requests (AsyncLLM's full warm-up)."""
-    shapes = sorted({(bucket(n), 1) for n in range(1, max_num_seqs + 1)})
+    shapes = [(b, 1) for b in batch_buckets(max_num_seqs)]
     longest = min(max_batched_tokens, max_model_len)
     for seq_len in sorted({prefill_len(n, max_batched_tokens) for n in range(2, longest + 1)}):
         most = min(max_num_seqs, prefill_rows(seq_len, max_batched_tokens))
@@ -286,7 +291,7 @@ class ModelRunner:
             tensors = SamplingTensors.build_host([], [], [], vocab_size=self.vocab_size, batch_size=rows)
             jax.block_until_ready(self.executor([("forward", batch, tensors, 0)]))
         if self.snapshots is not None:
-            for n in sorted({bucket(min(1 << i, max_pairs)) for i in range(max_pairs.bit_length() + 1)}):
+            for n in batch_buckets(max_pairs):
                 self.executor([("restore", *self._pairs([(0, 0)] * n)), ("save", *self._pairs([(0, 0)] * n))])
         jax.block_until_ready(self.cache)
 

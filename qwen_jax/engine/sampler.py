@@ -86,22 +86,9 @@ class SamplingTensors(NamedTuple):
     banned_ids: jax.Array  # [B, NB] i32 ids forced to -inf this step, padded with V; NB = 0: none in the batch
 
     @classmethod
-    def build(
-        cls,
-        params_list: Sequence[SamplingParams],
-        num_generated: Sequence[int],
-        histories: Sequence[TokenHistory | None],
-        *,
-        vocab_size: int,
-        batch_size: int,
-        eos_token_ids: Sequence[int] = (),
-        step_seed: int = 0,
-        sharding: jax.sharding.Sharding | None = None,
-    ) -> SamplingTensors:
-        """build_host's arrays on the devices of `sharding` (default: the default device)."""
-        host = cls.build_host(params_list, num_generated, histories, vocab_size=vocab_size, batch_size=batch_size,
-                              eos_token_ids=eos_token_ids, step_seed=step_seed)
-        return cls(*jax.device_put(tuple(host), sharding))  # one batched host-to-device transfer
+    def build(cls, *args, sharding: jax.sharding.Sharding | None = None, **kwargs) -> SamplingTensors:
+        """build_host(*args, **kwargs)'s arrays on the devices of `sharding` (default: the default device)."""
+        return cls(*jax.device_put(tuple(cls.build_host(*args, **kwargs)), sharding))  # one batched transfer
 
     @classmethod
     def build_host(

@@ -16,7 +16,7 @@ from qwen_jax.engine.sequence import Sequence, Status
 
 @dataclasses.dataclass
 class Row:
-    """One sequence's share of a step: run tokens [start, start + num_tokens) of seq.all_token_ids."""
+    """One sequence's share of a step: run tokens [start, start + num_tokens) of seq.token_ids."""
 
     seq: Sequence
     start: int

@@ -36,12 +36,9 @@ class Sequence:
         self.finish_time: float | None = None
         self.num_preemptions = 0
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building the whole list (the runner reads one token per decode row)."""
+        """Tokens [start, end) of prompt + output, without building the whole list (the runner reads one token per
+        decode row)."""
         split = len(self.prompt_token_ids)
         if start >= split:
             return self.output_token_ids[start - split:end - split]

@@ -4,32 +4,22 @@ give the same logits as one process on one device."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import jax
 import numpy as np
-from sharding_flags import FAST_COMPILE
+from sharding_hosts import HERE, free_port, host_env
 from sharding_tiny_models import BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, step_batches, tiny_config
 
 from qwen_jax.models import decoder
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 TIMEOUT_S = 150
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_give_single_process_logits(tmp_path):
-    port = _free_port()
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+    port = free_port()
+    env = host_env(4)
     outs = [tmp_path / f"host{i}.npz" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "sharding_multihost_worker.py"), str(i), str(port),
                                str(outs[i])], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -14,32 +14,19 @@ import time
 import urllib.request
 
 import numpy as np
-from sharding_flags import FAST_COMPILE
+from sharding_hosts import HERE, ROOT, free_port, host_env
 from sharding_serving_worker import ENGINE_ARGS, drive
 
 from qwen_jax.engine import multihost
 from qwen_jax.engine.llm_engine import LLMEngine
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
-                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
 
 
 def _start(args: list[str], devices: int, log) -> subprocess.Popen:
     """A host process writing its output to the file `log` (a pipe nobody reads while it runs could fill up)."""
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(devices), stdout=out,
+        return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=host_env(devices), stdout=out,
                                 stderr=subprocess.STDOUT)
 
 
@@ -96,7 +83,7 @@ def _write_tiny_checkpoint(directory) -> str:
 
 def test_two_hosts_serve_the_single_host_greedy_tokens(tmp_path):
     model_dir = _write_tiny_checkpoint(tmp_path / "tiny_moe")
-    port = _free_port()
+    port = free_port()
     outs = [tmp_path / f"host{i}.json" for i in range(2)]
     logs = [tmp_path / f"host{i}.log" for i in range(2)]
     start = time.perf_counter()
@@ -120,7 +107,7 @@ def test_server_on_two_hosts_answers_on_host_0_only(tmp_path):
     from qwen_jax.default_model import ensure_default_model
 
     model_dir = ensure_default_model(str(tmp_path / "cache"))
-    coordinator, ports = _free_port(), [_free_port(), _free_port()]
+    coordinator, ports = free_port(), [free_port(), free_port()]
     logs = [tmp_path / f"host{i}.log" for i in range(2)]
     procs = [_start(["-m", "server", "--model", model_dir, "--num-hosts", "2", "--host-index", str(i),
                      "--coordinator-address", f"127.0.0.1:{coordinator}", "--host", "127.0.0.1", "--port",
