@@ -66,7 +66,10 @@ def plan(ids: jax.Array, num_local: int, first_expert: jax.Array | int, block_m:
     row_of_pair = jnp.zeros(num_pairs, jnp.int32).at[order].set(row.astype(jnp.int32))
     pair_of_row = jnp.full(rows, num_pairs, jnp.int32).at[row].set(order.astype(jnp.int32), mode="drop")
     block_start = jnp.arange(num_blocks_max) * block_m
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, block_start, side="right"), num_local - 1)
+    # The group holding each block: how many groups end at or before its start (searchsorted's answer, written
+    # out because jnp.searchsorted fails inside shard_map on jax 0.10).
+    ends_before = jnp.sum(padded_end[None, :] <= block_start[:, None], axis=1)
+    block_expert = jnp.minimum(ends_before, num_local - 1)
     num_blocks = (padded_end[-1] // block_m).reshape(1)
     return pair_of_row, row_of_pair, block_expert.astype(jnp.int32), num_blocks.astype(jnp.int32)
 

@@ -36,17 +36,20 @@ TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs): below this, the k
 MIN_SPLIT_KEYS = 256  # a split covers at least this many keys of the table's width
 
 
-def _kernel(context_lens_ref, tables_ref, positions_ref, q_ref, k_ref, v_ref, *out_refs, scale_log2: float,
-            block_size: int, block_q: int, heads_p: int, block_k: int, num_splits: int, split_keys: int):
+def _kernel(context_lens_ref, tables_ref, positions_ref, kv_head_start_ref, q_ref, k_ref, v_ref, *out_refs,
+            scale_log2: float, block_size: int, block_q: int, heads_p: int, group: int, block_k: int, num_splits: int,
+            split_keys: int):
     """One program: queries [qb * block_q, +block_q) of sequence `b` x the query heads of KV head `h` (row i: query
     i // heads_p, head i % heads_p of the group), keys [split * split_keys, +split_keys) of what those rows see.
-    Refs are whole arrays: context_lens [B]; tables [B, W] int32; positions [B, S]; q [B, S, heads, D];
+    KV head h of q's heads is the cache's head kv_head_start + h.
+    Refs are whole arrays: context_lens [B]; tables [B, W] int32; positions [B, S]; kv_head_start [1];
+    q [B, S, heads, D];
     k, v [num_blocks * block_size, kv, D] (the pages, flattened). Out: o [B, S, heads, D] in q's dtype, or with
     num_splits > 1 the unnormalised float32 partials acc [splits, B, S, heads, D], max and sum [splits, B, S, heads]
     (log2 domain)."""
     j, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, heads, dim = q_ref.shape[1:]
-    group = heads // k_ref.shape[1]
+    kv_head = kv_head_start_ref[0] + h
     width = tables_ref.shape[1]
     num_q_blocks = -(-seq // block_q)
     if num_splits == 1:
@@ -76,7 +79,7 @@ def _kernel(context_lens_ref, tables_ref, positions_ref, q_ref, k_ref, v_ref, *o
         acc, m, denom = carry  # [rows, D], [rows], [rows] float32: running P @ V, max, sum
         key = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k] key positions
         page = tables_ref[b, jnp.minimum(jax.lax.div(key, block_size), width - 1)]  # [block_k] page ids
-        at = ((page * block_size + jax.lax.rem(key, block_size))[:, None], h, lanes)  # -> [block_k, D]
+        at = ((page * block_size + jax.lax.rem(key, block_size))[:, None], kv_head, lanes)  # -> [block_k, D]
         if masked:
             live = key < end
             k = pltriton.load(k_ref.at[at], mask=live[:, None], other=0.0)  # nothing past `end` is read
@@ -117,26 +120,29 @@ def auto_splits(programs: int, table_keys: int) -> int:
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                    context_lens: jax.Array, block_tables: jax.Array, scale: float, *, block_m: int | None = None,
+                    context_lens: jax.Array, block_tables: jax.Array, scale: float,
+                    kv_head_start: jax.Array | int = 0, num_kv_heads: int | None = None, *, block_m: int | None = None,
                     block_k: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
     """Same contract as `reference`: q [B, S, heads, D] at `positions` [B, S]; k_cache, v_cache
-    [num_blocks, block_size, kv_heads, D]; context_lens [B]; block_tables [B, W] int32 -> [B, S, heads, D].
+    [num_blocks, block_size, kv_heads, D]; context_lens [B]; block_tables [B, W] int32 -> [B, S, heads, D]; q's heads
+    split evenly over the cache's KV heads [kv_head_start, +num_kv_heads) (default: all).
     Tiles: about `block_m` rows (queries x query heads of one KV head; decode takes one query) by `block_k` keys;
     num_splits: key splits (None: from the grid size). None elsewhere: the best of pallas_kernels/bench.py on an H200
     at 35B-A3B shapes (decode 4 warps, 2 stages; prefill 128 rows, 8 warps, 3 stages), with 64 keys a step (32 for
     float32 D = 256 tiles, whose pipeline buffers would not fit in shared memory). interpret=None interprets on CPU
     only. D, block_m and block_k must be powers of two, block_k at least 16 (Triton's smallest dot)."""
     batch, seq, heads, dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    num_blocks, block_size, cache_kv_heads, _ = k_cache.shape
+    kv_heads = num_kv_heads or cache_kv_heads
     group = heads // kv_heads
     wide = q.dtype.itemsize > 2  # float32 tiles: twice the registers and shared memory
     block_m = block_m or 128
     block_k = block_k or max(16, min(64, 32768 // (dim * q.dtype.itemsize)))
     num_warps = num_warps or (4 if seq == 1 else 8)
     num_stages = num_stages or (2 if seq == 1 or wide else 3)
-    if heads % kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[3] != dim or block_k < 16 \
-            or dim & (dim - 1) or block_k & (block_k - 1) or block_m & (block_m - 1):
+    if heads % kv_heads or kv_heads > cache_kv_heads or k_cache.shape != v_cache.shape or k_cache.shape[3] != dim \
+            or block_k < 16 or dim & (dim - 1) or block_k & (block_k - 1) or block_m & (block_m - 1):
         raise ValueError(f"paged_attention: q {q.shape}, cache {k_cache.shape}, block_m {block_m}, block_k {block_k}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -156,7 +162,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positi
                      jax.ShapeDtypeStruct((num_splits,) + q.shape[:3], jnp.float32),
                      jax.ShapeDtypeStruct((num_splits,) + q.shape[:3], jnp.float32))
     kernel = functools.partial(_kernel, scale_log2=scale * LOG2_E, block_size=block_size, block_q=block_q,
-                               heads_p=heads_p, block_k=block_k, num_splits=num_splits, split_keys=split_keys)
+                               heads_p=heads_p, group=group, block_k=block_k, num_splits=num_splits,
+                               split_keys=split_keys)
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -164,8 +171,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positi
         interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="paged_attention",
-    )(context_lens.astype(jnp.int32), block_tables.astype(jnp.int32), positions.astype(jnp.int32), q,
-      k_cache.reshape(num_blocks * block_size, kv_heads, dim), v_cache.reshape(num_blocks * block_size, kv_heads, dim))
+    )(context_lens.astype(jnp.int32), block_tables.astype(jnp.int32), positions.astype(jnp.int32),
+      jnp.asarray(kv_head_start, jnp.int32).reshape(1), q,
+      k_cache.reshape(num_blocks * block_size, cache_kv_heads, dim),
+      v_cache.reshape(num_blocks * block_size, cache_kv_heads, dim))
     if num_splits == 1:
         return out
     acc, m, denom = out  # merge the splits' partial softmaxes

@@ -6,7 +6,6 @@ Same signature and math as qwen_jax.layers.mlp.sparse_moe (the reference); only 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -16,9 +15,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.layers.mlp import linear, route, routed_experts_impl, sparse_moe
+from qwen_jax.layers.mlp import linear, route, routed_experts_impl
 from qwen_jax.models.decoder import param_shapes
-from sharding.mesh import MODEL_AXES, model_parallel_size
+from sharding.mesh import MODEL_AXES
 from sharding.rules import MOE, logical_to_spec
 
 
@@ -26,7 +25,7 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _context_mesh(mesh: Mesh):
+def context_mesh(mesh: Mesh):
     """Inside a shard_map over the data axis the inner shard_map must be given the context (partly manual) mesh."""
     current = jax.sharding.get_abstract_mesh()
     return current if tuple(current.axis_names) == tuple(mesh.axis_names) else mesh
@@ -57,15 +56,8 @@ def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
 
     def moe(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
         fn = jax.shard_map(
-            lambda x, p: body(x, p, top_k, renormalize), mesh=_context_mesh(mesh),
-            in_specs=(P(), {k: specs[k] for k in p}), out_specs=P(), axis_names=set(MODEL_AXES))
+            lambda x, p: body(x, p, top_k, renormalize), mesh=context_mesh(mesh),
+            in_specs=(P(), {k: specs[k] for k in p}), out_specs=P(), axis_names=set(MODEL_AXES), check_vma=False)
         return fn(x, p)
 
     return moe
-
-
-def moe_impl_for(cfg: ModelConfig, mesh: Mesh) -> Callable:
-    """The one place the MoE implementation is chosen: the reference when one device holds every expert."""
-    if not cfg.moe_layers or model_parallel_size(mesh) == 1:
-        return functools.partial(sparse_moe, kernels=cfg.kernels)
-    return expert_parallel_moe(cfg, mesh)

@@ -1,4 +1,4 @@
-"""The sharded forward step: decoder.forward with the MoE implementation chosen from the mesh, wrapped in a
+"""The sharded forward step: decoder.forward with the hot ops partitioned for the mesh (sharding/ops.py), wrapped in a
 shard_map over the data axis when there are several replicas, and jitted with the rules' shardings.
 
 Each data replica reads and writes only its own cache shard: its rows' block tables and state slots are indices
@@ -18,19 +18,20 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.models import decoder
 from sharding import rules
 from sharding.mesh import DATA
-from sharding.moe import moe_impl_for
+from sharding.ops import ops_for_mesh
 
 BATCH_KEYS = ("tokens", "positions", "seq_lens", "state_slots", "block_tables", "context_lens")
 
 
 def sharded_forward(cfg: ModelConfig, mesh: Mesh, all_logits: bool = False) -> Callable:
     """forward(params, cache, batch) -> (logits, cache) for `mesh` (not jitted; see `jit_forward`)."""
-    step = functools.partial(decoder.forward, cfg=cfg, all_logits=all_logits, moe_impl=moe_impl_for(cfg, mesh))
+    step = functools.partial(decoder.forward, cfg=cfg, all_logits=all_logits, ops=ops_for_mesh(cfg, mesh))
     if mesh.shape[DATA] == 1:
         return step
     # Manual over data only: inside, each replica's rows and cache shard are auto-partitioned over the model axes.
+    # check_vma off: a pallas_call's outputs carry no record of which axes they vary over (kernels="gpu").
     return jax.shard_map(step, mesh=mesh, in_specs=(P(), P(DATA), P(DATA)), out_specs=(P(DATA), P(DATA)),
-                         axis_names={DATA})
+                         axis_names={DATA}, check_vma=False)
 
 
 def jit_forward(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int,

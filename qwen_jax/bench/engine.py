@@ -227,10 +227,11 @@ def offline_llm_class() -> Any | None:
 
 
 def build_llm(model_dir: str, weights: str | None, max_batch: int, max_len: int, batched_tokens: int,
-              kernels: str | None = None) -> Any:
+              kernels: str | None = None, layout_args: dict | None = None) -> Any:
     """The offline LLM for one-batch runs: dummy weights unless `weights` is given (then it must equal
     `model_dir`, the LLM reads config and checkpoint from one directory), no prefix cache, and a prefill token
-    budget of `batched_tokens` per step (64 x 4,096 tokens in one step would need memory for their activations)."""
+    budget of `batched_tokens` per step (64 x 4,096 tokens in one step would need memory for their activations).
+    `layout_args`: tensor_parallel_size, data_parallel_size, enable_expert_parallel (only those given)."""
     llm_cls = offline_llm_class()
     if llm_cls is None:
         raise SystemExit("qwen_jax.LLM does not exist in this checkout; use --api engine")
@@ -238,7 +239,14 @@ def build_llm(model_dir: str, weights: str | None, max_batch: int, max_len: int,
         raise SystemExit("with --api llm the checkpoint is read from --config's directory; pass the same path")
     return llm_cls(model_dir, load_format="auto" if weights else "dummy", max_num_seqs=max_batch,
                    max_model_len=max_len, max_num_batched_tokens=batched_tokens, enable_prefix_caching=False,
-                   **({"kernels": kernels} if kernels else {}))
+                   **({"kernels": kernels} if kernels else {}), **(layout_args or {}))
+
+
+def layout_args(args: argparse.Namespace) -> dict:
+    """The parallel layout flags that were given, as LLM keyword arguments."""
+    given = {"tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
+             "enable_expert_parallel": args.enable_expert_parallel or None}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def llm_one_batch(llm: Any, batch: int, input_len: int, output_len: int, vocab: int, seed: int = 0,
@@ -298,7 +306,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="this repo's kernel switch (default: the engine's own default)")
     p.add_argument("--results", default=DEFAULT_RESULTS, help="RESULTS.json to append to; 'none' to skip")
     p.add_argument("--device-name", default=None, help="recorded in RESULTS.json, e.g. 'H200'")
-    p.add_argument("--layout", default=None)
+    p.add_argument("--layout", default=None, help="recorded in RESULTS.json, e.g. 'TP=2'")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, help="one-batch LLM: devices per replica")
+    p.add_argument("--data-parallel-size", type=int, default=None, help="one-batch LLM: replicas")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="one-batch LLM: experts split (EP)")
     p.add_argument("--label", default=None)
     args = p.parse_args(argv)
 
@@ -335,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if batches and api == "llm":
         engine = None  # free the trace engine's cache before the LLM allocates its own
         llm = build_llm(args.config, args.weights, max(batches), args.input_len + args.output_len,
-                        min(max(batches) * args.input_len, args.max_num_batched_tokens), args.kernels)
+                        min(max(batches) * args.input_len, args.max_num_batched_tokens), args.kernels,
+                        layout_args(args))
     for b in batches:
         if api == "llm":
             row = llm_one_batch(llm, b, args.input_len, args.output_len, vocab, args.seed, args.warmup)

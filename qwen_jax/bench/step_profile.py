@@ -21,7 +21,8 @@ from qwen_jax.engine.runner import run_step
 from qwen_jax.engine.sampler import SamplingTensors
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.gated_deltanet import gdn_layer
-from qwen_jax.layers.mlp import sparse_moe, swiglu_mlp
+from qwen_jax.layers.mlp import swiglu_mlp
+from qwen_jax.layers.ops import ops_for
 from qwen_jax.models.decoder import make_batch, random_params
 from qwen_jax.sampling_params import SamplingParams
 from sharding import rules
@@ -134,22 +135,23 @@ def main() -> None:
     attn_i = cfg.attention_layers[0]
     gdn_i = cfg.linear_layers[0] if cfg.linear_layers else None
     inv = jnp.asarray(cfg.rope_inv_freq())
+    ops = ops_for(cfg.kernels)
     for b in batches:
         batch = dict(decode_batch(b, args.context, block_size, width))
         batch["valid"] = jnp.ones((b, 1), bool)
         x = jax.random.normal(jax.random.key(0), (b, 1, cfg.hidden_size), jnp.float32).astype(cfg.jnp_dtype)
         row = {"batch": b}
-        f = jax.jit(lambda x, p, c, bt: attention_layer(x, p, c, bt, cfg, inv)[0])
+        f = jax.jit(lambda x, p, c, bt: attention_layer(x, p, c, bt, cfg, inv, ops.attention)[0])
         row["attention_ms"] = round(_time(f, x, params["layers"][attn_i]["mixer"], cache["layers"][attn_i], batch)[1]
                                     * 1e3, 3)
         if gdn_i is not None:
-            f = jax.jit(lambda x, p, c, bt: gdn_layer(x, p, c, bt, cfg)[0])
+            f = jax.jit(lambda x, p, c, bt: gdn_layer(x, p, c, bt, cfg, ops.delta_rule)[0])
             row["gdn_ms"] = round(_time(f, x, params["layers"][gdn_i]["mixer"], cache["layers"][gdn_i], batch)[1]
                                   * 1e3, 3)
         mlp = params["layers"][0]["mlp"]
         flat = x.reshape(b, -1)
         if cfg.is_moe_layer(0):
-            f = jax.jit(lambda x, p: sparse_moe(x, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.kernels))
+            f = jax.jit(lambda x, p: ops.moe(x, p, cfg.num_experts_per_tok, cfg.norm_topk_prob))
         else:
             f = jax.jit(lambda x, p: swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"]))
         row["mlp_ms"] = round(_time(f, flat, mlp)[1] * 1e3, 3)

@@ -55,7 +55,9 @@ class EngineCore:
         per_slot = rules.cache_bytes_per_device(cfg, self.mesh, 0, block_size, 1)  # GDN state of every layer
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = [d.memory_stats() or {} for d in local]
-        if all("bytes_limit" in s for s in stats):
+        if not local:  # a replica on other hosts: theirs decide (the allgather below)
+            budget = float("inf")
+        elif all("bytes_limit" in s for s in stats):
             # 5% of each device held back for activations and compiled programs
             budget = min(s["bytes_limit"] * (float(args["gpu_memory_utilization"]) - 0.05) - s["bytes_in_use"]
                          for s in stats)

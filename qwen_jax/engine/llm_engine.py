@@ -19,12 +19,13 @@ from qwen_jax.config import ModelConfig, from_hf_dict
 from qwen_jax.engine import multihost
 from qwen_jax.engine.core import EngineCore
 from qwen_jax.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from qwen_jax.engine.sampler import TokenHistory
+from qwen_jax.engine.sampler import SampleOutput, TokenHistory
 from qwen_jax.engine.sequence import Sequence
 from qwen_jax.outputs import RequestOutput, TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 from qwen_jax.weights import dummy_params, load_params, open_checkpoint
 from sharding import distributed, mesh, rules
+from sharding.ops import ops_for_mesh
 
 log = logging.getLogger("qwen_jax")
 
@@ -39,7 +40,7 @@ ENGINE_ARGS = dict(
     enable_expert_parallel=False,
     load_format="auto",  # "auto": read the checkpoint; "dummy": random weights with the real shapes
     dtype="auto",
-    kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one (tp 1 only)
+    kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one
     seed=0,
     layers_per_program=1,  # consecutive layers per compiled program (0: all); fewer programs, longer compiles
     block_size=16,
@@ -125,22 +126,18 @@ class LLMEngine:
         # Multi-host: join the other processes (a no-op on one host).
         distributed.initialize(args["num_hosts"], args["host_index"], args["coordinator_address"])
         dp = int(args["data_parallel_size"])
-        if dp > 1 and jax.process_count() > 1:
-            raise NotImplementedError("data_parallel_size > 1 runs in one process only: with several hosts, start "
-                                      "one engine (server) per replica instead")
-        # Replica i's weights, cache and batches are laid out over its own mesh (devices [i*tp, (i+1)*tp)) by
-        # sharding/rules.py; one device is a 1x1x1 mesh.
+        # Replica i's weights, cache and batches are laid out over its own mesh (devices [i*tp, (i+1)*tp) in
+        # host-major order) by sharding/rules.py; one device is a 1x1x1 mesh.
         replica_meshes = mesh.replica_meshes(int(args["tensor_parallel_size"]), dp,
                                              bool(args["enable_expert_parallel"]))
-        hosts = {d.process_index for d in replica_meshes[0].devices.flat}
-        if len(hosts) < jax.process_count():
-            raise ValueError(f"with {jax.process_count()} hosts the model must span all of them: "
-                             f"tensor_parallel_size {args['tensor_parallel_size']} covers devices of "
-                             f"{len(hosts)} (each host has {jax.local_device_count()} devices)")
+        self.replica_hosts = [sorted({d.process_index for d in m.devices.flat}) for m in replica_meshes]
+        idle = set(range(jax.process_count())) - {h for hosts in self.replica_hosts for h in hosts}
+        if idle:
+            raise ValueError(f"with {jax.process_count()} hosts the replicas must use all of them: "
+                             f"data_parallel_size {dp} x tensor_parallel_size {args['tensor_parallel_size']} leaves "
+                             f"host(s) {sorted(idle)} without devices (each host has {jax.local_device_count()})")
         cfg = self.cfg = read_model_config(self.model_path, args["dtype"]).with_kernels(args["kernels"])
-        if cfg.kernels == "gpu" and replica_meshes[0].size > 1:
-            raise NotImplementedError("kernels='gpu' runs a replica on one device only so far (Pallas calls are not "
-                                      "partitioned): use tensor_parallel_size=1 (data_parallel_size may be > 1)")
+        ops_for_mesh(cfg, replica_meshes[0])  # a head layout the partitioned ops cannot split fails here, not mid-step
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_ids(self.model_path, cfg, self.tokenizer)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
@@ -152,12 +149,16 @@ class LLMEngine:
         self.cores = [EngineCore(i, cfg, params, m, args, self.max_model_len, self.eos_token_ids,
                                  seed=int(args["seed"]) * dp + i)
                       for i, (params, m) in enumerate(zip(replica_params, replica_meshes, strict=True))]
-        # Several hosts: host 0 alone schedules, and sends each step's ops (the runner's device work as host data) to
-        # the other hosts before running them; the others run them in follow() (engine/multihost.py).
-        self.steps = multihost.StepChannel() if jax.process_count() > 1 else None
-        if self.steps is not None and self.is_leader:
-            runner = self.cores[0].runner
-            runner.executor = multihost.leader_executor(self.steps, runner.execute)
+        # Several hosts: host 0 alone schedules (every replica), and sends each step's ops (the runner's device work
+        # as host data) to the other hosts of that replica; they run them in follow() (engine/multihost.py). A
+        # replica on other hosts only sends its sampled outputs back. Every host makes the same channels in order.
+        self.channels = {i: multihost.StepChannel(followers=hosts)
+                         for i, hosts in enumerate(self.replica_hosts) if hosts != [0]}
+        if self.is_leader:
+            for i, channel in self.channels.items():
+                runner = self.cores[i].runner
+                runner.executor = (multihost.leader_executor(channel, runner.execute) if 0 in self.replica_hosts[i]
+                                   else multihost.remote_executor(channel))
         # Replicas step concurrently (JAX releases the GIL while their devices compute); one replica needs no thread.
         self._pool = ThreadPoolExecutor(dp, thread_name_prefix="qwen-jax-replica") if dp > 1 else None
         self.seqs: dict[str, Sequence] = {}
@@ -179,17 +180,23 @@ class LLMEngine:
     def _load_params(self, args: dict, replica_meshes: list) -> list[dict]:
         """One params pytree per replica, each made straight in its replica's shards. A checkpoint is read once:
         each tensor is placed into every replica before the next is read. Dummy weights: every replica draws the
-        same seed, so the replicas are identical."""
+        same seed, so the replicas are identical. Only replicas with devices on this host get weights here (None for
+        the others)."""
         cfg = self.cfg
+        local = [i for i, hosts in enumerate(self.replica_hosts) if jax.process_index() in hosts]
+        params: list[dict | None] = [None] * len(replica_meshes)  # None: a replica on other hosts only
         if args["load_format"] == "dummy":  # only config.json is needed (no weights on disk)
-            return [dummy_params(cfg, seed=args["seed"], shardings=rules.param_shardings(cfg, m))
-                    for m in replica_meshes]
-        places = [rules.make_place(cfg, m) for m in replica_meshes]
+            for i in local:
+                params[i] = dummy_params(cfg, seed=args["seed"], shardings=rules.param_shardings(cfg,
+                                                                                                 replica_meshes[i]))
+            return params
+        places = [rules.make_place(cfg, replica_meshes[i]) for i in local]
         copies = load_params(cfg, open_checkpoint(self.model_path)[1],
                              place=lambda path, array: tuple(place(path, array) for place in places),
                              progress=os.environ.get("QWEN_JAX_PROGRESS", "1") == "1")
-        return [jax.tree.map(lambda leaf, i=i: leaf[i], copies, is_leaf=lambda x: isinstance(x, tuple))
-                for i in range(len(places))]
+        for n, i in enumerate(local):
+            params[i] = jax.tree.map(lambda leaf, n=n: leaf[n], copies, is_leaf=lambda x: isinstance(x, tuple))
+        return params
 
     # ---- requests --------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -329,17 +336,36 @@ class LLMEngine:
         """Whether this process schedules (takes requests and steps): always on one host; host 0 of several."""
         return jax.process_index() == 0
 
+    @property
+    def steps(self) -> multihost.StepChannel | None:
+        """Replica 0's channel to the other hosts (None on one host): its message counters."""
+        return self.channels.get(0)
+
     def follow(self) -> int:
-        """Host > 0 of a multi-host engine: run host 0's steps until its engine shuts down (or its process ends);
-        returns how many steps ran."""
+        """Host > 0 of a multi-host engine: run host 0's steps for every replica with devices here (a thread per
+        replica when there are several) until its engine shuts down (or its process ends); returns how many steps
+        ran. The first host of a replica without host 0 sends that replica's sampled outputs back."""
         if self.is_leader:
             raise RuntimeError("follow() is for hosts > 0 of a multi-host engine; host 0 takes the requests")
-        return multihost.follow(self.steps, self.cores[0].runner.execute)
+        me = jax.process_index()
+        jobs = []
+        for i, hosts in enumerate(self.replica_hosts):
+            if me not in hosts:
+                continue
+            runner, reply = self.cores[i].runner, 0 not in hosts and me == hosts[0]
+            execute = (lambda ops, r=runner: [SampleOutput(*jax.device_get(tuple(o))) for o in r.execute(ops)]
+                       ) if reply else runner.execute
+            jobs.append((self.channels[i], execute, reply))
+        if len(jobs) == 1:
+            return multihost.follow(*jobs[0])
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="qwen-jax-follow") as pool:
+            return sum(pool.map(lambda job: multihost.follow(*job), jobs))
 
     def shutdown(self) -> None:
         """Host 0 of several: release the followers (their follow() returns). A no-op on one host; idempotent."""
-        if self.steps is not None and self.is_leader:
-            self.steps.stop()
+        if self.is_leader:
+            for channel in self.channels.values():
+                channel.stop()
 
     # ---- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -1,5 +1,7 @@
 """Multi-host serving: host 0's engine alone schedules; each step's device work, which the runner describes as plain
-host data (an op list of numpy arrays and ints), goes to every other host, which issues the same jitted calls.
+host data (an op list of numpy arrays and ints), goes to the other hosts of the replica it runs on, which issue the
+same jitted calls. A replica on hosts without host 0 (data parallelism over hosts) also sends its sampled tokens
+back to host 0.
 
 Used only when jax.process_count() > 1. Never schedules, never looks inside an op, never touches a device array.
 
@@ -79,18 +81,20 @@ def unpack(payload: bytes):
 
 
 class StepChannel:
-    """Host 0 -> every other host, one message per step, in order. Message n for host h is the key
-    "qwen_jax/engine<k>/host<h>/<n>"; host h deletes it after running it, so the store holds about one step per
-    follower."""
+    """Host 0 -> the `followers` of one replica (default: every other host), one message per step, in order.
+    Message n for host h is the key "qwen_jax/engine<k>/host<h>/<n>"; host h deletes it after running it, so the
+    store holds about one step per follower. A replica without host 0 answers message n with its sampled outputs
+    under ".../reply/<n>" (`reply`, `wait_reply`). Every host must create its channels in the same order."""
 
-    def __init__(self, client=None, process_index: int | None = None, process_count: int | None = None):
+    def __init__(self, client=None, process_index: int | None = None, process_count: int | None = None,
+                 followers: list[int] | None = None):
         import jax
         from jax._src.distributed import global_state
 
         self._client = client if client is not None else global_state.client
         self.host = jax.process_index() if process_index is None else process_index
         count = jax.process_count() if process_count is None else process_count
-        self._followers = range(1, count)
+        self._followers = [h for h in (followers if followers is not None else range(count)) if h != 0]
         self._prefix = f"qwen_jax/engine{next(_engine_ids)}"
         self._next = 0
         self._stopped = False
@@ -128,24 +132,38 @@ class StepChannel:
         self._next += 1
         self.seconds += time.perf_counter() - start
 
+    def _get(self, key: str) -> bytes:
+        """The value at `key`, waiting for as long as its sender lives."""
+        while True:
+            try:
+                return self._client.blocking_key_value_get_bytes(key, POLL_MS)
+            except Exception as exc:  # jax.errors.JaxRuntimeError; only a timeout means "nothing yet"
+                if "DEADLINE_EXCEEDED" not in str(exc):
+                    raise
+
     def receive(self) -> list | None:
         """Host > 0: the next step's ops, waiting for as long as host 0 lives; None once host 0 stopped."""
         if self._next:  # the previous step's key, now that its work is dispatched (off the critical path)
             self._client.key_value_delete(self._key(self.host, self._next - 1))
         key = self._key(self.host, self._next)
-        while True:
-            try:
-                payload = self._client.blocking_key_value_get_bytes(key, POLL_MS)
-                break
-            except Exception as exc:  # jax.errors.JaxRuntimeError; only a timeout means "nothing yet"
-                if "DEADLINE_EXCEEDED" not in str(exc):
-                    raise
+        payload = self._get(key)
         self._next += 1
         if payload == _STOP:
             self._client.key_value_delete(key)
             return None
         self.messages += 1
         self.bytes += len(payload)
+        return unpack(payload)
+
+    def reply(self, outputs: list) -> None:
+        """The replying follower: the outputs (host data) of the step it received last."""
+        self._client.key_value_set_bytes(f"{self._prefix}/reply/{self._next - 1}", pack(outputs))
+
+    def wait_reply(self) -> list:
+        """Host 0: the reply to the step it published last."""
+        key = f"{self._prefix}/reply/{self._next - 1}"
+        payload = self._get(key)
+        self._client.key_value_delete(key)
         return unpack(payload)
 
 
@@ -159,11 +177,24 @@ def leader_executor(channel: StepChannel, execute: Callable[[list], list]) -> Ca
     return run
 
 
-def follow(channel: StepChannel, execute: Callable[[list], list]) -> int:
-    """Host > 0: run host 0's steps until it stops; returns how many ran. The sampled outputs are dropped (they are
-    replicated, host 0 reads them)."""
+def remote_executor(channel: StepChannel) -> Callable[[list], list]:
+    """Host 0's executor for a replica on other hosts only: send the ops, wait for the replica's sampled outputs."""
+
+    def run(ops: list) -> list:
+        channel.publish(ops)
+        return channel.wait_reply()
+
+    return run
+
+
+def follow(channel: StepChannel, execute: Callable[[list], list], reply: bool = False) -> int:
+    """Host > 0: run host 0's steps until it stops; returns how many ran. With `reply` (one host of a replica that
+    host 0 is not part of) `execute` must return host data, which goes back to host 0; otherwise the outputs are
+    dropped (host 0 holds the replica's devices too and reads them itself)."""
     steps = 0
     while (ops := channel.receive()) is not None:
-        execute(ops)
+        outputs = execute(ops)
+        if reply:
+            channel.reply(outputs)
         steps += 1
     return steps

@@ -23,7 +23,7 @@ from qwen_jax.models.decoder import decoder_layer, logits_head, make_batch, prep
 from qwen_jax.sampling_params import SamplingParams
 from sharding import rules, step
 from sharding.mesh import make_mesh
-from sharding.moe import moe_impl_for
+from sharding.ops import ops_for_mesh
 
 # Every step with a row asking for logprobs computes the API maximum of top-n (one compiled width, not 21).
 TOP_LOGPROBS_WIDTH = SamplingParams.MAX_LOGPROBS
@@ -95,8 +95,9 @@ def step_shapes(max_num_seqs: int, max_batched_tokens: int, max_model_len: int) 
 # time grows with the group size, not the depth (40 layers compiled as one program took 27 s on an H200; one layer
 # about 0.6 s), while each program costs a dispatch and breaks XLA's CUDA graph (layers_per_program trades the two;
 # 0 runs every layer in one program). Dispatch is asynchronous: a program's launch overlaps the work before it.
-# Sharded: params and cache arrive committed to their rules' shardings (inputs follow them), the MoE is the mesh's
-# expert-parallel one, and outputs are pinned (activations whole on every device, cache in its own shards).
+# Sharded: params and cache arrive committed to their rules' shardings (inputs follow them), the hot ops are split
+# over the mesh's heads and experts (sharding/ops.py), and outputs are pinned (activations whole on every device,
+# cache in its own shards).
 # Excess precision off: every rounding to bf16 that the layers write (where HF rounds) really happens.
 EXACT = {"xla_allow_excess_precision": False}
 
@@ -109,10 +110,10 @@ def _embed(embed, batch, mesh):
 @functools.partial(jax.jit, static_argnames=("cfg", "kinds", "mesh"), donate_argnums=(2,), compiler_options=EXACT)
 def _layers(x, ps, cs, batch, cfg, kinds, mesh):
     """Consecutive layers whose kinds (see _layer_index) are `kinds`: (x, their updated caches)."""
-    moe = moe_impl_for(cfg, mesh)
+    ops = ops_for_mesh(cfg, mesh)
     new = []
     for p, c, index in zip(ps, cs, kinds, strict=True):
-        x, c = decoder_layer(x, p, c, batch, cfg, index, moe)
+        x, c = decoder_layer(x, p, c, batch, cfg, index, ops)
         x = jax.lax.with_sharding_constraint(x, rules.batch_sharding(mesh))
         new.append(rules.constrain_cache_layer(cfg, mesh, index, c))
     return x, new
@@ -199,7 +200,9 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, num_blocks: int, block_size: int, num_slots: int,
                  num_snapshots: int, max_model_len: int, vocab_size: int,
                  eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, layers_per_program: int = 1):
-        """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules."""
+        """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules. None: the
+        mesh is on other hosts (a data-parallel replica there); this runner only writes its steps down, and its
+        executor must send them where they run (engine/multihost.py)."""
         self.cfg = cfg
         self.layers_per_program = layers_per_program
         self.params = params
@@ -209,9 +212,11 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.step_seed = seed * 1_000_003
-        self.cache = step.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots)
-        self.snapshots = None
-        if num_snapshots and cfg.is_hybrid:  # GDN state only (+ the sink at 0), split over heads like the cache
+        self.has_snapshots = bool(num_snapshots and cfg.is_hybrid)
+        self.cache = self.snapshots = None
+        if params is not None:
+            self.cache = step.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots)
+        if params is not None and self.has_snapshots:  # GDN state only (+ the sink at 0), split like the cache
             self.snapshots = _gdn_layers(step.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1), cfg)
         # What runs a step's op list (see run): `execute` here; a multi-host leader's engine puts the broadcast to
         # the other hosts in front of it (engine/multihost.py).
@@ -262,14 +267,14 @@ class ModelRunner:
         groups = step_groups(decode, prefill, max_batched_tokens)
         ops = []
         restore = [(r.restore_snapshot, r.seq.slot) for r in decode + prefill if r.restore_snapshot is not None]
-        if restore and self.snapshots is not None:
+        if restore and self.has_snapshots:
             ops.append(("restore", *self._pairs(restore)))
         for rows, seq_len, batch_size in groups:
             top = max((r.seq.params.logprobs or 0) for r in rows)
             ops.append(("forward", self._batch(rows, batch_size, seq_len), self._sampling(rows, batch_size, histories),
                         0 if top == 0 else TOP_LOGPROBS_WIDTH))
         save = [(r.seq.slot, r.save_snapshot) for r in decode + prefill if r.save_snapshot is not None]
-        if save and self.snapshots is not None:
+        if save and self.has_snapshots:
             ops.append(("save", *self._pairs(save)))
         results = []
         for (rows, _, _), out in zip(groups, self.executor(ops), strict=True):
@@ -290,7 +295,7 @@ class ModelRunner:
                                np.zeros((rows, width), np.int32))
             tensors = SamplingTensors.build_host([], [], [], vocab_size=self.vocab_size, batch_size=rows)
             jax.block_until_ready(self.executor([("forward", batch, tensors, 0)]))
-        if self.snapshots is not None:
+        if self.has_snapshots:
             for n in batch_buckets(max_pairs):
                 self.executor([("restore", *self._pairs([(0, 0)] * n)), ("save", *self._pairs([(0, 0)] * n))])
         jax.block_until_ready(self.cache)

@@ -1,7 +1,7 @@
 """Full causal attention over a paged KV cache: projections, q/k norm, partial RoPE, GQA, output gate.
 
-Reference math: gathers each sequence's pages into a dense context; `kernels="gpu"` swaps in
-pallas_kernels/paged_attention.py. Never writes outside the block tables.
+Reference math: gathers each sequence's pages into a dense context; pallas_kernels/paged_attention.py is its kernel
+(layers/ops.py switches). Never writes outside the block tables.
 """
 
 import jax
@@ -32,14 +32,19 @@ def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                    context_lens: jax.Array, block_tables: jax.Array, scale: float) -> jax.Array:
+                    context_lens: jax.Array, block_tables: jax.Array, scale: float,
+                    kv_head_start: jax.Array | int = 0, num_kv_heads: int | None = None) -> jax.Array:
     """q: [B, S, heads, D] at absolute `positions` [B, S]; each query sees keys 0..its own position.
+    q's heads are split evenly over the cache's KV heads [kv_head_start, +num_kv_heads) (default: all of them; a
+    device holding some query heads of a replicated cache reads only its own).
     Scores rounded to q's dtype, softmax in float32, probabilities rounded to q's dtype before multiplying V
     (as HF eager does)."""
     batch, seq, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    k = k_cache[block_tables].reshape(batch, -1, kv_heads, dim)  # [B, T, kv_heads, D]
-    v = v_cache[block_tables].reshape(batch, -1, kv_heads, dim)
+    kv_heads = num_kv_heads or k_cache.shape[2]
+    k = jax.lax.dynamic_slice_in_dim(k_cache[block_tables], kv_head_start, kv_heads, axis=3)
+    v = jax.lax.dynamic_slice_in_dim(v_cache[block_tables], kv_head_start, kv_heads, axis=3)
+    k = k.reshape(batch, -1, kv_heads, dim)  # [B, T, kv_heads, D]
+    v = v.reshape(batch, -1, kv_heads, dim)
     qg = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
     scores = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=jnp.float32)
     scores = scores.astype(q.dtype).astype(jnp.float32) * scale  # HF eager rounds q @ k^T to q's dtype
@@ -52,9 +57,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positi
     return out.reshape(batch, seq, heads, dim).astype(q.dtype)
 
 
-def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_freq: jax.Array
-                    ) -> tuple[jax.Array, dict]:
-    """x: [B, S, H] -> ([B, S, H], updated {"k", "v"} pages)."""
+def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_freq: jax.Array,
+                    attend=paged_attention) -> tuple[jax.Array, dict]:
+    """x: [B, S, H] -> ([B, S, H], updated {"k", "v"} pages).
+    `attend`: paged_attention or a kernel with its contract (layers/ops.py picks)."""
     positions, valid = batch["positions"], batch["valid"]
     q = _proj(x, p["q"], p.get("q_bias"))
     k = _proj(x, p["k"], p.get("k_bias"))
@@ -66,11 +72,6 @@ def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_fr
     k = apply_rope(k, positions, inv_freq, cfg.rope_interleaved)
     k_cache = write_kv(cache["k"], k, positions, valid, batch["block_tables"])
     v_cache = write_kv(cache["v"], v, positions, valid, batch["block_tables"])
-    attend = paged_attention
-    if cfg.kernels == "gpu":
-        # Flash-attention kernel over the pages (pallas_kernels/paged_attention.py): reads only the keys each row
-        # sees, never builds the dense context or the full score tensor.
-        from pallas_kernels.paged_attention import paged_attention as attend  # lazy: it imports this module
     out = attend(q, k_cache, v_cache, positions, batch["context_lens"], batch["block_tables"], cfg.head_dim ** -0.5)
     if cfg.attn_output_gate:
         gate = _proj(x, p["gate"], None).astype(jnp.float32)

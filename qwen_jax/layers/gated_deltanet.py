@@ -87,29 +87,36 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
     return jnp.moveaxis(out, 1, 2), final, jnp.moveaxis(boundaries, 0, 1)
 
 
-def _delta_rule_reference(q, k, v, a, b, p, state, valid, cfg, dtype):
-    """The jnp path: L2 norms, gates, then one recurrent step (decode) or the chunked scan (prefill).
-    q, k: [B, S, nk, dk] and v: [B, S, nv, dv] after the conv; a, b: [B, S, nv]; state: [B, nv, dk, dv] float32."""
-    repeat = cfg.linear_num_value_heads // cfg.linear_num_key_heads  # value head j reads key head j // repeat
-    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=2) * cfg.linear_key_head_dim ** -0.5
+def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
+    """The recurrence of one layer on its state slots (the reference of pallas_kernels/gdn_*): L2 norms, gates,
+    then one recurrent step (decode) or the chunked scan (prefill).
+    q, k: [B, S, nk, dk] after the conv, before the L2 norm; v: [B, S, nv, dv]; a, b: [B, S, nv] raw; A_log, dt_bias:
+    [nv]; ssm: [slots, nv, dk, dv] float32; slots, fresh (rows starting a sequence read zeros), seq_lens: [B].
+    Returns (out [B, S, nv, dv] float32, ssm with rows `slots` advanced by their seq_lens real tokens)."""
+    valid = jnp.arange(q.shape[1])[None, :] < seq_lens[:, None]
+    repeat = v.shape[2] // q.shape[2]  # value head j reads key head j // repeat
+    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=2) * q.shape[-1] ** -0.5
     k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), repeat, axis=2)
     v = v.astype(jnp.float32)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(dtype)  # HF computes sigmoid(b) in the model dtype
+    beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(b.dtype)  # HF computes sigmoid(b) in the model dtype
     beta = jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0)
-    dt = jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * dt
+    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     g = jnp.where(valid[..., None], g, 0.0)
     k = jnp.where(valid[..., None, None], k, 0.0)
+    state = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
     if q.shape[1] == 1:
         out, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
-        return out[:, None], state
-    out, state, _ = chunked_delta_rule(q, k, v, g, beta, state)
-    return out, state
+        out = out[:, None]
+    else:
+        out, state, _ = chunked_delta_rule(q, k, v, g, beta, state)
+    return out, ssm.at[slots].set(state)
 
 
-def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax.Array, dict]:
-    """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots)."""
-    slots, seq_lens, valid = batch["state_slots"], batch["seq_lens"], batch["valid"]
+def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule
+              ) -> tuple[jax.Array, dict]:
+    """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots).
+    `delta_rule_op`: the recurrence, `delta_rule` or a kernel with its contract (layers/ops.py picks)."""
+    slots, seq_lens = batch["state_slots"], batch["seq_lens"]
     fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
     keep = lambda t: jnp.where(fresh.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.zeros_like(t), t)  # noqa: E731
     proj = lambda w: jnp.einsum("bsh,h...->bs...", x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
@@ -119,17 +126,7 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax
     z = proj(p["z"])  # [B, S, Hv, Dv]
     b, a = proj(p["b"]), proj(p["a"])  # [B, S, Hv]
 
-    if x.shape[1] == 1 and cfg.kernels == "gpu":
-        # Fused decode kernel (pallas_kernels/gdn_decode.py): norms, gates and the in-place state update in one
-        # launch. Rows starting a sequence read their slot as zeros; padding rows update slot 0, the sink.
-        from pallas_kernels.gdn_decode import gdn_decode
-
-        out, ssm = gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], p["A_log"], p["dt_bias"], cache["ssm"],
-                              slots, fresh, block_v=min(32, cfg.linear_value_head_dim))
-        out = out[:, None]
-    else:
-        out, state = _delta_rule_reference(q, k, v, a, b, p, keep(cache["ssm"][slots]), valid, cfg, x.dtype)
-        ssm = cache["ssm"].at[slots].set(state)
+    out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], slots, fresh, seq_lens)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
     out = jnp.einsum("bsnd,ndh->bsh", out, p["out"], preferred_element_type=jnp.float32).astype(x.dtype)
     new_cache = {
@@ -141,4 +138,4 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg) -> tuple[jax
     return out, new_cache
 
 
-__all__ = ["gdn_layer", "chunked_delta_rule", "recurrent_step", "causal_conv", "linear"]
+__all__ = ["gdn_layer", "delta_rule", "chunked_delta_rule", "recurrent_step", "causal_conv", "linear"]

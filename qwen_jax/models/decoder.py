@@ -10,9 +10,6 @@ all follow it. This module never touches devices or files.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +17,9 @@ import numpy as np
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.gated_deltanet import gdn_layer
-from qwen_jax.layers.mlp import sparse_moe, swiglu_mlp
+from qwen_jax.layers.mlp import swiglu_mlp
 from qwen_jax.layers.norms import rms_norm
+from qwen_jax.layers.ops import Ops, ops_for
 
 F32 = jnp.float32
 
@@ -175,21 +173,21 @@ def prepare_batch(batch: dict) -> dict:
 
 
 def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig, index: int,
-                  moe_impl: Callable | None = None) -> tuple[jax.Array, dict]:
+                  ops: Ops | None = None) -> tuple[jax.Array, dict]:
     """Layer `index`: token mixer (attention or Gated DeltaNet) and MLP/MoE, each pre-normed with a residual.
     x: [B, S, H]; `batch` comes from prepare_batch. Returns (x, the layer's updated cache).
-    `moe_impl` has `sparse_moe`'s signature (default: sparse_moe with cfg.kernels)."""
+    `ops`: the hot ops (default: ops_for(cfg.kernels); sharding/ops.py gives a mesh's)."""
+    ops = ops or ops_for(cfg.kernels)
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     if cfg.layer_types[index] == FULL_ATTENTION:
-        h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()))
+        h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()), ops.attention)
     else:
-        h, c = gdn_layer(h, p["mixer"], c, batch, cfg)
+        h, c = gdn_layer(h, p["mixer"], c, batch, cfg, ops.delta_rule)
     x = x + h
     h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     flat = h.reshape(-1, h.shape[-1])
     if cfg.is_moe_layer(index):
-        moe = moe_impl or functools.partial(sparse_moe, kernels=cfg.kernels)
-        flat = moe(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        flat = ops.moe(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     else:
         flat = swiglu_mlp(flat, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"])
     return x + flat.reshape(h.shape), c
@@ -206,15 +204,15 @@ def logits_head(x: jax.Array, params: dict, batch: dict, cfg: ModelConfig, all_l
 
 
 def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False,
-            moe_impl: Callable | None = None) -> tuple[jax.Array, dict]:
+            ops: Ops | None = None) -> tuple[jax.Array, dict]:
     """Run new tokens [B, S] of B sequences through the model, reading and updating their cache entries.
     Returns (float32 logits of each row's last real token [B, V], or of every token [B, S, V]; new cache).
-    `moe_impl` has `sparse_moe`'s signature; sharding/ swaps in an expert-parallel one chosen from the mesh.
+    `ops`: the hot ops (default: ops_for(cfg.kernels)); sharding/ops.py gives the ones partitioned for a mesh.
     (The engine runs the same three pieces as separately compiled programs: see engine/runner.py.)"""
     batch = prepare_batch(batch)
     x = params["embed"][batch["tokens"]]
     new_layers = []
     for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
-        x, c = decoder_layer(x, p, c, batch, cfg, i, moe_impl)
+        x, c = decoder_layer(x, p, c, batch, cfg, i, ops)
         new_layers.append(c)
     return logits_head(x, params, batch, cfg, all_logits), {"layers": new_layers}

@@ -35,21 +35,48 @@ def drive(engine) -> tuple[dict[str, list[int]], int]:
     return tokens, steps
 
 
-def main(host_index: int, port: int, model_dir: str, out: str) -> None:
+# Four prompts added at once: with 4 replicas each gets one (the least busy replica takes a new request).
+REPLICA_PROMPTS = [[(5 * i + 11 * n + 1) % 256 for i in range(6 + n)] for n in range(4)]
+
+
+def drive_replicas(engine) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Greedy tokens of REPLICA_PROMPTS, all in flight together, and the replica each request ran on."""
+    from qwen_jax.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for n, prompt in enumerate(REPLICA_PROMPTS):
+        engine.add_request(f"r{n}", prompt, greedy)
+    replica = {rid: core.index for rid, core in engine._core.items()}
+    tokens = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    return tokens, replica
+
+
+def main(host_index: int, port: int, model_dir: str, out: str, data_parallel_size: int) -> None:
+    """data_parallel_size 1: one TP 8 replica over both hosts; 4: TP 2 replicas, two on each host."""
     from qwen_jax.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(model_dir, num_hosts=2, host_index=host_index, coordinator_address=f"127.0.0.1:{port}",
-                       tensor_parallel_size=8, **ENGINE_ARGS)
-    if engine.is_leader:
+                       tensor_parallel_size=8 // data_parallel_size, data_parallel_size=data_parallel_size,
+                       **ENGINE_ARGS)
+    if not engine.is_leader:
+        result = {"steps": engine.follow()}
+    elif data_parallel_size == 1:
         tokens, steps = drive(engine)
         engine.shutdown()
         result = {"tokens": tokens, "steps": steps, "messages": engine.steps.messages,
                   "bytes": engine.steps.bytes, "send_seconds": engine.steps.seconds}
     else:
-        result = {"steps": engine.follow()}
+        tokens, replica = drive_replicas(engine)
+        engine.shutdown()
+        result = {"tokens": tokens, "replica": replica, "replica_hosts": engine.replica_hosts,
+                  "messages": {i: c.messages for i, c in engine.channels.items()}}
     with open(out, "w") as f:
         json.dump(result, f)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))

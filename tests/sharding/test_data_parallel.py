@@ -174,9 +174,16 @@ def test_dummy_weights_are_identical_replicas(model_dirs):
     assert engine.stats()["kv_blocks_total"] == 2 * ENGINE_ARGS["num_kv_blocks"]
 
 
-def test_gpu_kernels_need_one_device_per_replica(model_dirs):
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
-        LLMEngine(model_dirs["llama"], kernels="gpu", data_parallel_size=2, tensor_parallel_size=2, **ENGINE_ARGS)
+def test_gpu_kernels_run_in_tensor_parallel_replicas(engines, model_dirs):
+    """kernels="gpu" (interpreted on the CPU) in 2 replicas of TP 2: each device of a replica runs the attention
+    kernel on its query heads; the replicas give the jnp single-replica tokens."""
+    reference, _, _ = _generate(engines("llama", "dp1").engine, "ref-kernels")
+    engine = LLMEngine(model_dirs["llama"], kernels="gpu", data_parallel_size=2, tensor_parallel_size=2,
+                       **ENGINE_ARGS)
+    outputs, per_replica, _ = _generate(engine, "kernels")
+    assert per_replica == [3, 3]
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.token_ids == ref.token_ids
 
 
 def test_server_cli_passes_data_parallel_size():

@@ -80,6 +80,19 @@ def test_sharded_engine_matches_single_device(model_dir, reference, layout):
     _assert_cache_split(llm)
 
 
+def test_sharded_engine_with_pallas_kernels_matches_single_device(model_dir, reference):
+    """kernels="gpu" (interpreted on the CPU) at EP4: the attention, GDN decode and MoE kernels run per device on
+    their heads and experts and give the single-device kernels' greedy tokens and logprobs (and the jnp
+    reference's tokens)."""
+    single = _generate_twice(LLM(model_dir, kernels="gpu", **ENGINE_ARGS))
+    outputs = _generate_twice(LLM(model_dir, tensor_parallel_size=4, enable_expert_parallel=True, kernels="gpu",
+                                  **ENGINE_ARGS))
+    for out, ref, jnp_ref in zip(outputs, single, reference, strict=True):
+        assert out.token_ids == ref.token_ids == jnp_ref.token_ids
+        np.testing.assert_allclose([lp.logprob for lp in out.logprobs], [lp.logprob for lp in ref.logprobs],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def _assert_weights_split(llm: LLM, n: int) -> None:
     """Each of the n devices holds total/n of the weights plus the few leaves the rules replicate."""
     core = llm.engine.cores[0]

@@ -15,7 +15,7 @@ import urllib.request
 
 import numpy as np
 from sharding_hosts import HERE, ROOT, free_port, host_env
-from sharding_serving_worker import ENGINE_ARGS, drive
+from sharding_serving_worker import ENGINE_ARGS, drive, drive_replicas
 
 from qwen_jax.engine import multihost
 from qwen_jax.engine.llm_engine import LLMEngine
@@ -87,8 +87,8 @@ def test_two_hosts_serve_the_single_host_greedy_tokens(tmp_path):
     outs = [tmp_path / f"host{i}.json" for i in range(2)]
     logs = [tmp_path / f"host{i}.log" for i in range(2)]
     start = time.perf_counter()
-    procs = [_start([os.path.join(HERE, "sharding_serving_worker.py"), str(i), str(port), model_dir, str(outs[i])],
-                    4, logs[i]) for i in range(2)]
+    procs = [_start([os.path.join(HERE, "sharding_serving_worker.py"), str(i), str(port), model_dir, str(outs[i]),
+                     "1"], 4, logs[i]) for i in range(2)]
     _wait_all(procs, TIMEOUT_S)
     assert [p.returncode for p in procs] == [0, 0], _failure(procs, logs)
     leader, follower = (json.loads(o.read_text()) for o in outs)
@@ -99,6 +99,26 @@ def test_two_hosts_serve_the_single_host_greedy_tokens(tmp_path):
     reference, steps = drive(LLMEngine(model_dir, **ENGINE_ARGS))
     assert steps == leader["steps"]
     assert leader["tokens"] == reference
+
+
+def test_data_parallel_replicas_on_two_hosts_give_the_single_host_greedy_tokens(tmp_path):
+    """DP 4 x TP 2 over 2 processes x 4 CPU devices: replicas 0 and 1 on host 0, 2 and 3 on host 1. Host 0 schedules
+    all four; it runs 0 and 1 itself and sends the steps of 2 and 3 to host 1, which runs them on two threads and
+    sends their sampled tokens back. Each replica serves one of 4 concurrent requests, with the one-process tokens."""
+    model_dir = _write_tiny_checkpoint(tmp_path / "tiny_moe")
+    port = free_port()
+    outs = [tmp_path / f"host{i}.json" for i in range(2)]
+    logs = [tmp_path / f"host{i}.log" for i in range(2)]
+    procs = [_start([os.path.join(HERE, "sharding_serving_worker.py"), str(i), str(port), model_dir, str(outs[i]),
+                     "4"], 4, logs[i]) for i in range(2)]
+    _wait_all(procs, TIMEOUT_S)
+    assert [p.returncode for p in procs] == [0, 0], _failure(procs, logs)
+    leader, follower = (json.loads(o.read_text()) for o in outs)
+    assert leader["replica_hosts"] == [[0], [0], [1], [1]]
+    assert leader["replica"] == {"r0": 0, "r1": 1, "r2": 2, "r3": 3}  # one request per replica
+    assert set(leader["messages"]) == {"2", "3"} and min(leader["messages"].values()) > 0  # host 0's own: no message
+    assert follower["steps"] == sum(leader["messages"].values())
+    assert leader["tokens"] == drive_replicas(LLMEngine(model_dir, **ENGINE_ARGS))[0]
 
 
 def test_server_on_two_hosts_answers_on_host_0_only(tmp_path):

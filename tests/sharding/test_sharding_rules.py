@@ -3,6 +3,8 @@ experts, vocab and cache split as sharding/README.md says; each placed tensor la
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -87,3 +89,14 @@ def test_load_params_with_place_gives_sharded_copy_of_the_checkpoint():
         assert got.sharding == sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert max(rules.bytes_per_device(sharded).values()) <= 0.27 * sum(a.nbytes for a in jax.tree.leaves(plain))
+
+
+def test_partitioned_ops_reject_heads_that_straddle_a_replicated_kv_head():
+    """24 query heads over 3 KV heads (8 each) on 4 devices: the KV heads replicate, and a device's 6 query heads
+    would need two of them; the engine refuses such a layout at start (ops_for_mesh), not in the middle of a step."""
+    from sharding.ops import ops_for_mesh
+
+    cfg = dataclasses.replace(tiny_config("llama"), num_heads=24, num_kv_heads=3)
+    with pytest.raises(NotImplementedError, match="24 heads split 4 ways over 3 heads"):
+        ops_for_mesh(cfg, mesh.make_mesh(tensor_parallel_size=4))
+    ops_for_mesh(cfg, mesh.make_mesh(tensor_parallel_size=3))  # 8 query heads and their KV head per device

@@ -1,0 +1,53 @@
+"""The hot ops of the layers as one bundle: the jnp references, or the Pallas kernels of pallas_kernels/ when
+kernels="gpu". Layers receive their op from a bundle and never pick one; sharding/ops.py wraps a bundle for a mesh.
+
+Each op has one contract, shared by its reference and its kernel:
+  attention(q, k_cache, v_cache, positions, context_lens, block_tables, scale, kv_head_start=0, num_kv_heads=None)
+      -> [B, S, heads, D]                                     (qwen_jax.layers.attention.paged_attention)
+  delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens) -> (out [B, S, nv, dv] float32, ssm)
+                                                              (qwen_jax.layers.gated_deltanet.delta_rule)
+  moe(x [T, H], p, top_k, renormalize) -> [T, H]              (qwen_jax.layers.mlp.sparse_moe)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+from qwen_jax.layers.attention import paged_attention
+from qwen_jax.layers.gated_deltanet import delta_rule
+from qwen_jax.layers.mlp import sparse_moe
+
+KERNELS = ("reference", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    attention: Callable
+    delta_rule: Callable
+    moe: Callable
+
+
+def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
+    """delta_rule's contract on the Pallas kernels: the fused decode kernel updates the state slots in place; a
+    prefill gathers its rows' states, runs the chunked kernel and scatters them back."""
+    from pallas_kernels.gdn_decode import gdn_decode  # lazy: pallas_kernels import the layers
+
+    if q.shape[1] == 1:  # padding rows (seq_lens 0) update slot 0, the sink
+        out, ssm = gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, ssm, slots, fresh,
+                              block_v=min(32, v.shape[-1]))
+        return out[:, None], ssm
+    return delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens)
+
+
+def ops_for(kernels: str) -> Ops:
+    """The one switch: "reference" (jnp) or "gpu" (the Pallas kernels where one exists)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "reference":
+        return Ops(attention=paged_attention, delta_rule=delta_rule, moe=sparse_moe)
+    from pallas_kernels.paged_attention import paged_attention as attention_kernel
+
+    return Ops(attention=attention_kernel, delta_rule=delta_rule_kernels,
+               moe=functools.partial(sparse_moe, kernels="gpu"))

@@ -1,0 +1,111 @@
+"""The layers' hot ops partitioned over a mesh's model axes: each device runs the op (jnp reference or Pallas
+kernel alike) on its own heads or experts inside a shard_map. The specs come from sharding/rules.py, never from here.
+
+Why shard_map and not XLA's partitioner: XLA cannot split a Pallas call (it would gather the heads and run the whole
+kernel on every device), and attention and the delta rule need no collective inside when split by heads.
+Where the rules replicate the KV heads (or GDN key heads) but split the query (value) heads, a device reads only the
+one KV (key) head its query (value) heads share: that needs the query heads of a KV head to stay on whole devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from qwen_jax.config import FULL_ATTENTION, ModelConfig
+from qwen_jax.layers.ops import Ops, ops_for
+from sharding.mesh import MODEL_AXES, model_parallel_size
+from sharding.moe import context_mesh, expert_parallel_moe
+from sharding.rules import logical_to_spec
+
+
+def _split_axes(logical: str, size: int, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes that the rules split a `logical` dimension of `size` over (() when replicated)."""
+    entry = logical_to_spec((logical,), (size,), mesh)[0]
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _shard_count(axes: tuple[str, ...], mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _shared_head(outer: int, inner: int, outer_axes: tuple, inner_axes: tuple, mesh: Mesh, what: str) -> bool:
+    """Whether each device's share of `outer` heads (query / GDN value heads) reads one replicated `inner` head
+    (KV / GDN key head). False when both are split alike (each device reads its own inner heads)."""
+    if inner_axes == outer_axes:
+        return False
+    local, group = outer // _shard_count(outer_axes, mesh), outer // inner
+    if inner_axes or group % local:
+        raise NotImplementedError(f"{what}: {outer} heads split {_shard_count(outer_axes, mesh)} ways over "
+                                  f"{inner} heads split {_shard_count(inner_axes, mesh)} ways: each device's heads "
+                                  f"must share one of the {inner}")
+    return True
+
+
+def head_parallel_attention(cfg: ModelConfig, mesh: Mesh, attend: Callable) -> Callable:
+    """`attend` (paged attention's contract) with query heads, KV heads and KV pages split as the rules say."""
+    q_axes = _split_axes("heads", cfg.num_heads, mesh)
+    kv_axes = _split_axes("kv_heads", cfg.num_kv_heads, mesh)
+    if not q_axes:
+        return attend
+    shared = _shared_head(cfg.num_heads, cfg.num_kv_heads, q_axes, kv_axes, mesh, "attention")
+    local_q, group = cfg.num_heads // _shard_count(q_axes, mesh), cfg.num_heads // cfg.num_kv_heads
+    heads, kv_heads = P(None, None, q_axes, None), P(None, None, kv_axes or None, None)
+
+    def attention(q, k_cache, v_cache, positions, context_lens, block_tables, scale):
+        def local(q, k_cache, v_cache, positions, context_lens, block_tables):
+            if not shared:
+                return attend(q, k_cache, v_cache, positions, context_lens, block_tables, scale)
+            start = jax.lax.axis_index(q_axes) * local_q // group
+            return attend(q, k_cache, v_cache, positions, context_lens, block_tables, scale, start, 1)
+
+        return jax.shard_map(local, mesh=context_mesh(mesh), in_specs=(heads, kv_heads, kv_heads, P(), P(), P()),
+                             out_specs=heads, axis_names=set(MODEL_AXES), check_vma=False)(
+            q, k_cache, v_cache, positions, context_lens, block_tables)
+
+    return attention
+
+
+def head_parallel_delta_rule(cfg: ModelConfig, mesh: Mesh, delta_rule: Callable) -> Callable:
+    """`delta_rule` (the GDN recurrence's contract) with key heads, value heads and their state slots split as the
+    rules say; every input a value head needs (v, a, b, its gates, its state) lives on its device."""
+    if all(kind == FULL_ATTENTION for kind in cfg.layer_types):
+        return delta_rule
+    v_axes = _split_axes("gdn_value_heads", cfg.linear_num_value_heads, mesh)
+    k_axes = _split_axes("gdn_key_heads", cfg.linear_num_key_heads, mesh)
+    if not v_axes:
+        return delta_rule
+    nv, nk = cfg.linear_num_value_heads, cfg.linear_num_key_heads
+    shared = _shared_head(nv, nk, v_axes, k_axes, mesh, "Gated DeltaNet")
+    local_v, repeat = nv // _shard_count(v_axes, mesh), nv // nk
+    key_heads, value_heads = P(None, None, k_axes or None, None), P(None, None, v_axes, None)
+    gates, per_head, state = P(None, None, v_axes), P(v_axes), P(None, v_axes, None, None)
+
+    def local(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
+        if shared:  # this device's value heads all read one key head
+            start = jax.lax.axis_index(v_axes) * local_v // repeat
+            q, k = (jax.lax.dynamic_slice_in_dim(t, start, 1, axis=2) for t in (q, k))
+        return delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens)
+
+    def sharded(*args):
+        return jax.shard_map(
+            local, mesh=context_mesh(mesh),
+            in_specs=(key_heads, key_heads, value_heads, gates, gates, per_head, per_head, state, P(), P(), P()),
+            out_specs=(value_heads, state), axis_names=set(MODEL_AXES), check_vma=False)(*args)
+
+    return sharded
+
+
+def ops_for_mesh(cfg: ModelConfig, mesh: Mesh) -> Ops:
+    """The one place a mesh's ops are chosen: ops_for(cfg.kernels) when one device holds the whole model,
+    else each op split over the model axes (the MoE's experts by sharding/moe.py)."""
+    ops = ops_for(cfg.kernels)
+    if model_parallel_size(mesh) == 1:
+        return ops
+    return Ops(attention=head_parallel_attention(cfg, mesh, ops.attention),
+               delta_rule=head_parallel_delta_rule(cfg, mesh, ops.delta_rule),
+               moe=expert_parallel_moe(cfg, mesh) if cfg.moe_layers else ops.moe)
