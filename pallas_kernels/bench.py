@@ -1,6 +1,7 @@
 """GPU benchmark of the Pallas kernels against their jnp references (`python -m pallas_kernels.bench`): time, achieved
 bandwidth (and TFLOP/s for the MoE GEMM and attention) and on-device error per shape, as markdown tables. Never writes
-files and never touches the model. `--only gdn`, `--only moe` or `--only paged_attention` runs one kernel.
+files and never touches the model. `--only gdn`, `--only gdn_prefill`, `--only moe` or `--only paged_attention` runs
+one kernel.
 
 Exit status: 0 when every kernel configuration lowered, ran and matched its reference; 1 otherwise (the reference
 timings are printed either way); 2 when there is no GPU and --small was not given.
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import moe_gemm, paged_attention
+from pallas_kernels import gdn_prefill, moe_gemm, paged_attention
 from pallas_kernels.gdn_decode import gdn_decode, reference
 from qwen_jax.layers.mlp import route
 
@@ -353,12 +354,100 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
     return "\n".join(lines)
 
 
+# ---- GDN chunked prefill ---------------------------------------------------------------------------------------
+GP_FULL = dict(nk=16, nv=32, dk=128, dv=128, cases=((1, 4096, False), (8, 1024, False), (64, 1024, False),
+                                                  (64, 1024, True)), repeats=10, inner=3)  # Qwen3.5-35B-A3B
+GP_SMALL = dict(nk=2, nv=4, dk=16, dv=32, cases=((1, 80, False), (3, 40, True)), repeats=2, inner=1)
+# (chunk_size, block_v, num_warps, num_stages); None: gdn_prefill's default (chunk 64, block_v 64, 4 warps, 2 stages)
+GP_CONFIGS = [(None,) * 4, (64, 32, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (64, 32, 2, 2), (64, 64, 4, 1),
+              (32, 64, 4, 2)]
+GP_SMALL_CONFIGS = [(None,) * 4, (16, 16, 4, 2)]
+# bf16 dot operands (and T) against the float32 reference: ~5e-3 at these shapes on CPU; a bug gives order 1
+GP_MAX_REL_ERR = 2e-2
+
+
+def gdn_prefill_inputs(rows: int, seq: int, ragged: bool, dims: dict) -> dict:
+    """bf16 activations as the model feeds them; ragged: seq_lens spread over [1, seq] (shuffled), else all seq."""
+    nk, nv, dk, dv = dims["nk"], dims["nv"], dims["dk"], dims["dv"]
+    keys = jax.random.split(jax.random.key(rows * 7919 + seq), 8)
+    normal = lambda i, shape, scale=1.0: (scale * jax.random.normal(keys[i], shape)).astype(jnp.bfloat16)
+    lens = np.random.default_rng(rows).permutation(np.linspace(1, seq, rows).astype(np.int32)) if ragged \
+        else np.full(rows, seq, np.int32)
+    return dict(q=normal(0, (rows, seq, nk, dk), 2.0), k=normal(1, (rows, seq, nk, dk), 2.0),
+                v=normal(2, (rows, seq, nv, dv)), a=normal(3, (rows, seq, nv), 2.0), b=normal(4, (rows, seq, nv), 2.0),
+                A_log=jax.random.normal(keys[5], (nv,)) * 0.7 - 1.0, dt_bias=jax.random.normal(keys[6], (nv,)),
+                state=jax.random.normal(keys[7], (rows, nv, dk, dv), jnp.float32) * 0.1,
+                seq_lens=jnp.asarray(lens, jnp.int32))
+
+
+def gdn_prefill_cost(seq_lens: np.ndarray, seq: int, dims: dict, chunk: int = 64) -> tuple[float, float]:
+    """(FLOPs, bytes) of the chunked algorithm. FLOPs per value head and live chunk of C tokens: the dots
+    K_beta K^T, w = T K', Q K^T (C^2 dk MACs each), u = T V_beta, P v_new (C^2 dv), w S, Q S, K^T v_new (C dk dv),
+    plus the inverse by block doubling (2 (log2 C - 1) C^3 MACs): 2 (3 C^2 dk + 2 C^2 dv + 3 C dk dv)
+    + 4 (log2 C - 1) C^3, not counting what the kernel repeats per value block. Bytes: bf16 q, k, v, a, b of
+    every token (padding included), float32 out, float32 state read and written; T's round trip not counted."""
+    nk, nv, dk, dv = dims["nk"], dims["nv"], dims["dk"], dims["dv"]
+    live_chunks = int(np.sum(-(-seq_lens // chunk)))
+    per_chunk = 2 * (3 * chunk ** 2 * dk + 2 * chunk ** 2 * dv + 3 * chunk * dk * dv) \
+        + 4 * (int(np.log2(chunk)) - 1) * chunk ** 3
+    tokens = len(seq_lens) * seq
+    moved = tokens * (2 * nk * dk + nv * dv + 2 * nv) * 2 + tokens * nv * dv * 4 + 2 * len(seq_lens) * nv * dk * dv * 4
+    return float(live_chunks * nv * per_chunk), float(moved)
+
+
+def _gp_line(lines, case, flops, moved, ref_us, impl, config, us, err_o=float("nan"), err_state=float("nan"),
+             note=""):
+    tflops, tbs = flops / us / 1e6, moved / us / 1e6
+    roofline_us = max(flops / PEAK_TFLOPS / 1e6, moved / PA_PEAK_TBS / 1e6)
+    lines.append(f"| {case} | {impl} | {config} | {us:.1f} | {tflops:.1f} | {tbs:.2f} | {roofline_us / us:.0%} "
+                 f"| {ref_us / us:.2f}x | {err_o:.1e} | {err_state:.1e} | {note} |")
+    print(lines[-1], flush=True)
+
+
+def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: float, failures: list) -> str:
+    lines = [f"| case | impl | config | us/call | TFLOP/s | TB/s | of roofline ({PEAK_TFLOPS:.0f} TFLOP/s, "
+             f"{PA_PEAK_TBS} TB/s) | vs reference | rel err out | rel err state | note |", "|---" * 11 + "|"]
+    for rows, seq, ragged in dims["cases"]:
+        inputs = gdn_prefill_inputs(rows, seq, ragged, dims)
+        seq_lens = np.asarray(inputs["seq_lens"])
+        case = f"B={rows} S={seq}" + (f" ragged ({int(seq_lens.sum())} tokens)" if ragged else "")
+        real = np.arange(seq)[None, :] < seq_lens[:, None]
+        args = tuple(inputs.values())  # in the order of the contract: q, k, v, a, b, A_log, dt_bias, state, seq_lens
+        with jax.default_matmul_precision("highest"):  # what the kernel is held to: float32 throughout
+            want_o, want_state = map(np.asarray, jax.jit(gdn_prefill.reference)(*args))
+        ref_us = time_call(jax.jit(gdn_prefill.reference), args, dims["repeats"], dims["inner"])
+        _gp_line(lines, case, *gdn_prefill_cost(seq_lens, seq, dims), ref_us, "jnp reference (XLA)", "-", ref_us)
+        for chunk, block_v, warps, stages in configs:
+            line = functools.partial(_gp_line, lines, case, *gdn_prefill_cost(seq_lens, seq, dims, chunk or 64), ref_us)
+            config = "defaults" if chunk is None else f"C={chunk} BV={block_v} w={warps} s={stages}"
+            if time.perf_counter() > deadline:
+                line("pallas gdn_prefill", config, float("nan"), note="skipped: time budget")
+                continue
+            options = {} if chunk is None else dict(chunk_size=chunk, block_v=block_v, num_warps=warps,
+                                                    num_stages=stages)
+            fn = jax.jit(functools.partial(gdn_prefill.gdn_prefill, **options, interpret=interpret))
+            try:
+                got_o, got_state = map(np.asarray, fn(*args))
+                err_o, err_state = rel_err(got_o[real], want_o[real]), rel_err(got_state, want_state)
+                note = "" if max(err_o, err_state) < GP_MAX_REL_ERR else f"rel err above {GP_MAX_REL_ERR:g}"
+                if got_o[~real].any() or not np.isfinite(got_o).all():
+                    note = "padding outputs not 0 or outputs not finite"
+                us = time_call(fn, args, dims["repeats"], dims["inner"])
+                line("pallas gdn_prefill", config, us, err_o, err_state, note)
+            except Exception as e:  # a lowering or compile error: report it and keep going
+                note = failure_note(e, f"gdn_prefill {case} {config}")
+                line("pallas gdn_prefill", config, float("nan"), note=note)
+            if note:
+                failures.append(f"gdn_prefill {case} {config}: {note}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
     parser.add_argument("--budget-s", type=float, default=70.0, help="start no kernel configuration after this "
                         "(per kernel)")
-    parser.add_argument("--only", choices=("gdn", "moe", "paged_attention"), help="benchmark one kernel")
+    parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention"), help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     backend = jax.default_backend()
@@ -392,6 +481,16 @@ def main(argv: list[str] | None = None) -> int:
               "calls chained in one program) / chain; roofline: decode HBM, prefill tensor cores", flush=True)
         text = bench_paged_attention(dims, interpret, args.small, pa_start + args.budget_s, failures)
         print(f"\n### paged_attention on {jax.devices()[0].device_kind} ({time.perf_counter() - pa_start:.0f} s)"
+              f"\n\n{text}\n")
+    if args.only in (None, "gdn_prefill"):
+        dims, gp_start = GP_SMALL if args.small else GP_FULL, time.perf_counter()
+        print(f"\ngdn_prefill: nk={dims['nk']} nv={dims['nv']} dk={dims['dk']} dv={dims['dv']}, bf16 in, float32 "
+              "out and state (not donated: the kernel's in-place update costs a copy of it); us/call = median of "
+              f"{dims['repeats']} x ({dims['inner']} calls queued, then block); roofline = max(FLOPs / peak, "
+              "bytes / HBM)", flush=True)
+        text = bench_gdn_prefill(dims, GP_SMALL_CONFIGS if args.small else GP_CONFIGS, interpret,
+                                 gp_start + args.budget_s, failures)
+        print(f"\n### gdn_prefill on {jax.devices()[0].device_kind} ({time.perf_counter() - gp_start:.0f} s)"
               f"\n\n{text}\n")
     return _report(failures)
 
