@@ -176,19 +176,20 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.A
                 ) -> tuple[jax.Array, jax.Array]:
     """Same contract as `reference`; outputs at padding tokens are exactly 0. The state is updated in place (donate
     it in the caller's jit to avoid a copy). Cost follows each row's seq_len: chunks past it are skipped.
-    chunk_size, dk and block_v: powers of two, at least 16 (Triton's smallest dot); num_warps and num_stages apply to
-    both launches; block_v None: min(64, dv). interpret=None interprets on CPU only."""
+    chunk_size, dk and block_v: powers of two, at least 16 (Triton's smallest dot; interpreted, only chunk_size);
+    num_warps and num_stages apply to both launches; block_v None: min(64, dv). interpret=None interprets on CPU
+    only."""
     batch, seq, nk, dk = q.shape
     nv, dv = v.shape[2:]
     block_v = block_v or min(64, dv)
-    tiles = (chunk_size, dk, block_v)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    tiles = (chunk_size, dk, block_v) if not interpret else (chunk_size,)  # Triton's dots need >= 16
     if nv % nk or dv % block_v or k.shape != q.shape or v.shape[:2] != (batch, seq) \
             or state.shape != (batch, nv, dk, dv) or state.dtype != F32 \
             or any(n < 16 or n & (n - 1) for n in tiles):
         raise ValueError(f"gdn_prefill: q {q.shape}, v {v.shape}, state {state.shape} {state.dtype}, "
                          f"chunk_size {chunk_size}, block_v {block_v}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     compiler_params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     dtype = q.dtype  # dot operands and T's storage: the model's dtype
     precision = jax.lax.Precision.HIGHEST if dtype == F32 else None  # float32: IEEE dots on GPU, not TF32

@@ -8,11 +8,16 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
 export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0
-PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server restart} "  # also: one_batch latency_4b multi_gpu
+PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server restart} "  # also: gdn_prefill one_batch latency_4b multi_gpu
 part() { [[ "$PARTS" == *" $1 "* ]] || return 1; echo "== $1 ($(date +%T))"; }
 
 if part kernels; then
   timeout "${T_KERNELS:-90}" python3 -m pallas_kernels.bench > "$OUT/kernels.txt" 2>&1; tail -15 "$OUT/kernels.txt"
+fi
+
+if part gdn_prefill; then  # the chunked-prefill kernel alone (new, never compiled for a GPU before): its whole sweep
+  timeout "${T_GDN_PREFILL:-540}" python3 -m pallas_kernels.bench --only gdn_prefill --budget-s 420 \
+    > "$OUT/gdn_prefill.txt" 2>&1; tail -40 "$OUT/gdn_prefill.txt"
 fi
 
 if part step_profile; then

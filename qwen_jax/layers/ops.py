@@ -15,6 +15,8 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import jax.numpy as jnp
+
 from qwen_jax.layers.attention import paged_attention
 from qwen_jax.layers.gated_deltanet import delta_rule
 from qwen_jax.layers.mlp import sparse_moe
@@ -33,12 +35,15 @@ def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_len
     """delta_rule's contract on the Pallas kernels: the fused decode kernel updates the state slots in place; a
     prefill gathers its rows' states, runs the chunked kernel and scatters them back."""
     from pallas_kernels.gdn_decode import gdn_decode  # lazy: pallas_kernels import the layers
+    from pallas_kernels.gdn_prefill import gdn_prefill
 
     if q.shape[1] == 1:  # padding rows (seq_lens 0) update slot 0, the sink
         out, ssm = gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, ssm, slots, fresh,
                               block_v=min(32, v.shape[-1]))
         return out[:, None], ssm
-    return delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens)
+    state = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
+    out, state = gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, seq_lens, block_v=min(64, v.shape[-1]))
+    return out, ssm.at[slots].set(state)
 
 
 def ops_for(kernels: str) -> Ops:

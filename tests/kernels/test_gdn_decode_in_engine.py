@@ -1,11 +1,12 @@
-"""The engine with kernels="gpu" (the Pallas kernels: GDN decode, paged attention for decode and prefill, MoE GEMM;
-interpreted on the CPU) generates the same greedy tokens as with the jnp reference, on the built-in hybrid model in
-float32.
+"""The engine with kernels="gpu" (the Pallas kernels: GDN decode and chunked prefill, paged attention for decode and
+prefill, MoE GEMM; interpreted on the CPU) generates the same greedy tokens as with the jnp reference, on the
+built-in hybrid model in float32.
 """
 
 import numpy as np
 import pytest
 
+import pallas_kernels.gdn_prefill
 import pallas_kernels.paged_attention
 from qwen_jax.llm import LLM
 from qwen_jax.sampling_params import SamplingParams
@@ -16,15 +17,18 @@ PROMPTS = [list(range(5, 22)), [3, 4], [7]]  # a multi-chunk prompt, a short one
 @pytest.fixture(scope="module")
 def outputs():
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
-    result, attention_seq = {}, []
+    result, attention_seq, prefill_seq = {}, [], []
     kernel = pallas_kernels.paged_attention.paged_attention
     spy = lambda q, *args, **kwargs: attention_seq.append(q.shape[1]) or kernel(q, *args, **kwargs)
+    prefill = pallas_kernels.gdn_prefill.gdn_prefill
+    prefill_spy = lambda q, *args, **kwargs: prefill_seq.append(q.shape[1]) or prefill(q, *args, **kwargs)
     for kernels in ("reference", "gpu"):
         llm = LLM(None, max_num_seqs=4, max_model_len=64, kernels=kernels, dtype="float32")
-        with pytest.MonkeyPatch.context() as patch:  # records each trace of the attention kernel (query length)
+        with pytest.MonkeyPatch.context() as patch:  # records each trace of the kernels (query length)
             patch.setattr(pallas_kernels.paged_attention, "paged_attention", spy)
+            patch.setattr(pallas_kernels.gdn_prefill, "gdn_prefill", prefill_spy)
             result[kernels] = llm.generate(PROMPTS, params)
-    result["attention_seq"] = attention_seq
+    result["attention_seq"], result["prefill_seq"] = attention_seq, prefill_seq
     return result
 
 
@@ -36,6 +40,10 @@ def test_gpu_kernels_give_the_reference_greedy_tokens(outputs):
 
 def test_gpu_kernels_run_the_paged_attention_kernel_for_prefill_and_decode(outputs):
     assert 1 in outputs["attention_seq"] and max(outputs["attention_seq"]) > 1
+
+
+def test_gpu_kernels_run_the_gdn_prefill_kernel_for_prompts(outputs):
+    assert outputs["prefill_seq"] and min(outputs["prefill_seq"]) > 1
 
 
 def test_gpu_kernels_give_close_logprobs(outputs):
