@@ -19,6 +19,21 @@ import pytest  # noqa: E402
 from sharding_tiny_models import TINY_CONFIGS  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_persistent_compilation_cache():
+    """The server tests (which run first) turn JAX's persistent compilation cache on for the rest of the process;
+    these tests compile many 8-device programs they never reuse, and writing one of them (interpreted Pallas
+    kernels) once crashed the process inside the cache's serializer. Off here, back on afterwards."""
+    from jax._src import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+
+
 @pytest.fixture(autouse=True)
 def _eight_devices() -> None:
     assert jax.device_count() >= 8, "tests/sharding need XLA_FLAGS=--xla_force_host_platform_device_count=8"
