@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from qwen_jax.layers.gated_deltanet import l2_normalize, recurrent_step
+from qwen_jax.layers.gated_deltanet import delta_rule
 
 L2_EPS = 1e-6  # as layers.gated_deltanet.l2_normalize
 
@@ -19,17 +19,13 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Arr
     """q, k: [B, nk, dk] (after conv + SiLU, before the L2 norm); v: [B, nv, dv]; a, b: [B, nv] raw;
     A_log, dt_bias: [nv]; state: [slots, nv, dk, dv] float32; state_slots: [B] int32; fresh: [B] bool, rows that
     start a sequence (their slot is read as zeros). Returns (o [B, nv, dv] float32, state with rows `state_slots`
-    advanced by one token)."""
-    repeat = v.shape[1] // q.shape[1]  # value head j reads key head j // repeat
-    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=1) * q.shape[-1] ** -0.5
-    k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), repeat, axis=1)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(b.dtype).astype(jnp.float32)  # HF: sigmoid in model dtype
-    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-    rows = state[state_slots]
-    if fresh is not None:
-        rows = jnp.where(fresh[:, None, None, None], 0.0, rows)
-    out, rows = recurrent_step(q, k, v.astype(jnp.float32), g, beta, rows)
-    return out, state.at[state_slots].set(rows)
+    advanced by one token): the layer's delta rule (qwen_jax.layers.gated_deltanet.delta_rule) on one token a row."""
+    rows = q.shape[0]
+    fresh = jnp.zeros(rows, bool) if fresh is None else fresh
+    one = lambda t: t[:, None]  # noqa: E731  [B, ...] -> [B, 1, ...]: one token per row
+    out, state = delta_rule(one(q), one(k), one(v), one(a), one(b), A_log, dt_bias, state, state_slots, fresh,
+                            jnp.ones(rows, jnp.int32))
+    return out[:, 0], state
 
 
 def _softplus(x):  # stable log(1 + e^x) from ops every Pallas backend lowers
