@@ -9,6 +9,7 @@ timings are printed either way); 2 when there is no GPU and --small was not give
 
 import argparse
 import functools
+import inspect
 import statistics
 import sys
 import time
@@ -358,10 +359,11 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
 GP_FULL = dict(nk=16, nv=32, dk=128, dv=128, cases=((1, 4096, False), (8, 1024, False), (64, 1024, False),
                                                   (64, 1024, True)), repeats=10, inner=3)  # Qwen3.5-35B-A3B
 GP_SMALL = dict(nk=2, nv=4, dk=16, dv=32, cases=((1, 80, False), (3, 40, True)), repeats=2, inner=1)
-# (chunk_size, block_v, num_warps, num_stages); None: gdn_prefill's default (chunk 64, block_v 64, 4 warps, 2 stages)
-GP_CONFIGS = [(None,) * 4, (64, 32, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (64, 32, 2, 2), (64, 64, 4, 1),
-              (32, 64, 4, 2)]
+# (chunk_size, block_v, num_warps, num_stages); None: gdn_prefill's default (chunk 32, block_v 64, 4 warps, 2 stages)
+GP_CONFIGS = [(None,) * 4, (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 1), (32, 32, 4, 2), (32, 128, 8, 2),
+              (16, 64, 4, 2)]
 GP_SMALL_CONFIGS = [(None,) * 4, (16, 16, 4, 2)]
+GP_DEFAULT_CHUNK = inspect.signature(gdn_prefill.gdn_prefill).parameters["chunk_size"].default
 # bf16 dot operands (and T) against the float32 reference: ~5e-3 at these shapes on CPU; a bug gives order 1
 GP_MAX_REL_ERR = 2e-2
 
@@ -418,7 +420,8 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
         ref_us = time_call(jax.jit(gdn_prefill.reference), args, dims["repeats"], dims["inner"])
         _gp_line(lines, case, *gdn_prefill_cost(seq_lens, seq, dims), ref_us, "jnp reference (XLA)", "-", ref_us)
         for chunk, block_v, warps, stages in configs:
-            line = functools.partial(_gp_line, lines, case, *gdn_prefill_cost(seq_lens, seq, dims, chunk or 64), ref_us)
+            cost = gdn_prefill_cost(seq_lens, seq, dims, chunk or GP_DEFAULT_CHUNK)  # the kernel's own chunking
+            line = functools.partial(_gp_line, lines, case, *cost, ref_us)
             config = "defaults" if chunk is None else f"C={chunk} BV={block_v} w={warps} s={stages}"
             if time.perf_counter() > deadline:
                 line("pallas gdn_prefill", config, float("nan"), note="skipped: time budget")

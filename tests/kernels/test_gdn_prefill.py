@@ -112,7 +112,7 @@ def test_gdn_prefill_lowers_to_two_triton_calls_for_cuda():
     args = (s((batch, seq, nk, dk), jnp.bfloat16), s((batch, seq, nk, dk), jnp.bfloat16),
             s((batch, seq, nv, dv), jnp.bfloat16), s((batch, seq, nv), jnp.bfloat16), s((batch, seq, nv), jnp.bfloat16),
             s((nv,), jnp.float32), s((nv,), jnp.float32), s((batch, nv, dk, dv), jnp.float32), s((batch,), jnp.int32))
-    fn = jax.jit(lambda *x: gdn_prefill(*x, block_v=64, num_warps=8, interpret=False), donate_argnums=7)
+    fn = jax.jit(lambda *x: gdn_prefill(*x, chunk_size=64, block_v=64, num_warps=8, interpret=False), donate_argnums=7)
     exported = export.export(fn, platforms=["cuda"],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     text = exported.mlir_module()
