@@ -11,7 +11,7 @@ import pallas_kernels.paged_attention
 from qwen_jax.llm import LLM
 from qwen_jax.sampling_params import SamplingParams
 
-PROMPTS = [list(range(5, 22)), [3, 4], [7]]  # a multi-chunk prompt, a short one, a one-token one
+PROMPTS = [list(range(5, 65)), [3, 4], [7]]  # 60 tokens: a 48-token first prefill step (GDN chunks 32 + 16), then 12
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def outputs():
     prefill = pallas_kernels.gdn_prefill.gdn_prefill
     prefill_spy = lambda q, *args, **kwargs: prefill_seq.append(q.shape[1]) or prefill(q, *args, **kwargs)
     for kernels in ("reference", "gpu"):
-        llm = LLM(None, max_num_seqs=4, max_model_len=64, kernels=kernels, dtype="float32")
+        llm = LLM(None, max_num_seqs=4, max_model_len=96, kernels=kernels, dtype="float32")
         with pytest.MonkeyPatch.context() as patch:  # records each trace of the kernels (query length)
             patch.setattr(pallas_kernels.paged_attention, "paged_attention", spy)
             patch.setattr(pallas_kernels.gdn_prefill, "gdn_prefill", prefill_spy)
@@ -43,7 +43,8 @@ def test_gpu_kernels_run_the_paged_attention_kernel_for_prefill_and_decode(outpu
 
 
 def test_gpu_kernels_run_the_gdn_prefill_kernel_for_prompts(outputs):
-    assert outputs["prefill_seq"] and min(outputs["prefill_seq"]) > 1
+    """Prompts prefill through the chunked kernel, one step spanning more than one 32-token GDN chunk."""
+    assert outputs["prefill_seq"] and min(outputs["prefill_seq"]) > 1 and max(outputs["prefill_seq"]) > 32
 
 
 def test_gpu_kernels_give_close_logprobs(outputs):
