@@ -4,6 +4,7 @@ Tests here need 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count
 
 from __future__ import annotations
 
+import gc
 import os
 
 from sharding_flags import FAST_COMPILE
@@ -32,6 +33,8 @@ def _no_persistent_compilation_cache():
     yield
     jax.config.update("jax_enable_compilation_cache", enabled)
     compilation_cache.reset_cache()
+    jax.clear_caches()  # each module's many 8-device programs are never run again: free them before the next
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
