@@ -15,6 +15,7 @@ import numpy as np
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet
+KERNELS = ("reference", "gpu")  # ModelConfig.kernels: the jnp layers or pallas_kernels/ (qwen_jax/layers/ops.py)
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3", "qwen3_moe", "llama", "tiny_llama", "llama2c")
 
@@ -118,7 +119,7 @@ class ModelConfig:
         return dataclasses.replace(self, dtype=_normalize_dtype(dtype))
 
     def with_kernels(self, kernels: str) -> ModelConfig:
-        if kernels not in ("reference", "gpu"):
+        if kernels not in KERNELS:
             raise ValueError(f"kernels must be 'reference' or 'gpu', got {kernels!r}")
         return dataclasses.replace(self, kernels=kernels)
 

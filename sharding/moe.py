@@ -18,11 +18,7 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.layers.mlp import linear, route, routed_experts_impl
 from qwen_jax.models.decoder import param_shapes
 from sharding.mesh import MODEL_AXES
-from sharding.rules import MOE, logical_to_spec
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+from sharding.rules import MOE, entry_axes, logical_to_spec
 
 
 def context_mesh(mesh: Mesh):
@@ -35,9 +31,9 @@ def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
     """sparse_moe(x [T, H], p, top_k, renormalize) with the experts split over the mesh as sharding/rules.py says."""
     shapes = param_shapes(cfg)["layers"][cfg.moe_layers[0]]["mlp"]  # every MoE layer has the same shapes
     specs = {name: logical_to_spec(MOE[name], s.shape, mesh) for name, s in shapes.items()}
-    expert_axes = _axes(specs["w_gate"][0])
-    routed_axes = expert_axes + _axes(specs["w_gate"][2])
-    shared_axes = _axes(specs["shared_gate"][1]) if "shared_gate" in specs else ()
+    expert_axes = entry_axes(specs["w_gate"][0])
+    routed_axes = expert_axes + entry_axes(specs["w_gate"][2])
+    shared_axes = entry_axes(specs["shared_gate"][1]) if "shared_gate" in specs else ()
     local_experts = cfg.num_experts // math.prod(mesh.shape[a] for a in expert_axes)
 
     routed = routed_experts_impl(cfg.kernels)

@@ -20,13 +20,12 @@ from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.layers.ops import Ops, ops_for
 from sharding.mesh import MODEL_AXES, model_parallel_size
 from sharding.moe import context_mesh, expert_parallel_moe
-from sharding.rules import logical_to_spec
+from sharding.rules import entry_axes, logical_to_spec
 
 
 def _split_axes(logical: str, size: int, mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes that the rules split a `logical` dimension of `size` over (() when replicated)."""
-    entry = logical_to_spec((logical,), (size,), mesh)[0]
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return entry_axes(logical_to_spec((logical,), (size,), mesh)[0])
 
 
 def _shard_count(axes: tuple[str, ...], mesh: Mesh) -> int:

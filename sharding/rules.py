@@ -171,10 +171,14 @@ def make_place(cfg: ModelConfig, mesh: Mesh) -> Callable[[tuple, np.ndarray], ja
     return place
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def num_shards(spec: P, mesh: Mesh) -> int:
     """Into how many pieces `spec` cuts an array on `mesh` (1: replicated)."""
-    axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
-    return int(np.prod([mesh.shape[a] for a in axes]))
+    return int(np.prod([mesh.shape[a] for entry in spec for a in entry_axes(entry)]))
 
 
 def bytes_per_device(tree: dict) -> dict[jax.Device, int]:

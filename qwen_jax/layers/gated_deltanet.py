@@ -87,6 +87,12 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
     return jnp.moveaxis(out, 1, 2), final, jnp.moveaxis(boundaries, 0, 1)
 
 
+def slot_states(ssm: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
+    """The float32 states [B, nv, dk, dv] of a batch's rows: their slots of `ssm`, zeros for rows that start a
+    sequence."""
+    return jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
+
+
 def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
     """The recurrence of one layer on its state slots (the reference of pallas_kernels/gdn_*): L2 norms, gates,
     then one recurrent step (decode) or the chunked scan (prefill).
@@ -103,7 +109,7 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
     g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     g = jnp.where(valid[..., None], g, 0.0)
     k = jnp.where(valid[..., None, None], k, 0.0)
-    state = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
+    state = slot_states(ssm, slots, fresh)
     if q.shape[1] == 1:
         out, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
         out = out[:, None]

@@ -15,13 +15,10 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-import jax.numpy as jnp
-
+from qwen_jax.config import KERNELS
 from qwen_jax.layers.attention import paged_attention
-from qwen_jax.layers.gated_deltanet import delta_rule
+from qwen_jax.layers.gated_deltanet import delta_rule, slot_states
 from qwen_jax.layers.mlp import sparse_moe
-
-KERNELS = ("reference", "gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +38,8 @@ def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_len
         out, ssm = gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, ssm, slots, fresh,
                               block_v=min(32, v.shape[-1]))
         return out[:, None], ssm
-    state = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
-    out, state = gdn_prefill(q, k, v, a, b, A_log, dt_bias, state, seq_lens, block_v=min(64, v.shape[-1]))
+    out, state = gdn_prefill(q, k, v, a, b, A_log, dt_bias, slot_states(ssm, slots, fresh), seq_lens,
+                             block_v=min(64, v.shape[-1]))
     return out, ssm.at[slots].set(state)
 
 
