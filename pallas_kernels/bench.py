@@ -23,7 +23,7 @@ import numpy as np
 
 from pallas_kernels import gdn_prefill, moe_gemm, paged_attention
 from pallas_kernels.gdn_decode import gdn_decode, reference
-from qwen_jax.layers.mlp import route
+from qwen_jax.layers.mlp import route, sparse_moe
 
 PEAK_TBS = 4.3  # H200 HBM3e
 PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 tensor cores
@@ -167,25 +167,6 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-# ---- MoE grouped GEMM ------------------------------------------------------------------------------------------
-MOE_FULL = dict(tokens=(1, 8, 64, 256, 4096), experts=256, hidden=2048, inter=512, top_k=8, repeats=20, inner=5)
-MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, top_k=2, repeats=2, inner=1)
-# (block_m or None for the default by token count, block_n, block_k, num_warps, num_stages); the first is the default
-MOE_CONFIGS = [(None, 64, 64, 4, 3), (None, 32, 128, 4, 3), (None, 128, 64, 4, 3), (None, 64, 128, 8, 3),
-               (128, 128, 64, 8, 3)]
-MOE_MAX_REL_ERR = 2e-2  # bf16 outputs; a routing or indexing bug gives errors of order 1
-
-
-def moe_inputs(tokens: int, dims: dict):
-    keys = jax.random.split(jax.random.key(tokens), 5)
-    e, h, i = dims["experts"], dims["hidden"], dims["inter"]
-    x = jax.random.normal(keys[0], (tokens, h)).astype(jnp.bfloat16)
-    router = (jax.random.normal(keys[1], (h, e)) * 0.05).astype(jnp.bfloat16)
-    weights, ids = route(x, router, dims["top_k"], True)
-    w = lambda k, shape: (jax.random.normal(k, shape) * 0.02).astype(jnp.bfloat16)
-    return (x, weights, ids, w(keys[2], (e, h, i)), w(keys[3], (e, h, i)), w(keys[4], (e, i, h)))
-
-
 def time_call(fn: Callable, args: tuple, repeats: int, inner: int) -> float:
     """Median microseconds per call over `repeats` rounds of `inner` calls queued back to back."""
     jax.block_until_ready(fn(*args))
@@ -198,6 +179,63 @@ def time_call(fn: Callable, args: tuple, repeats: int, inner: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def time_chained(fn: Callable, args: tuple, chain: int, repeats: int) -> float:
+    """Median device microseconds per call of fn(q, *operands) -> q's shape: `chain` calls unrolled in one jitted
+    program, each call's output the next one's q (no host dispatch or loop condition per call). An optimization
+    barrier before each call hides that the operands repeat, so XLA cannot share work between the calls (the
+    reference's page gather, say)."""
+    def chained(q, *operands):
+        for _ in range(chain):
+            q, *operands = jax.lax.optimization_barrier((q, *operands))
+            q = fn(q, *operands)
+        return q
+
+    looped = jax.jit(chained)
+    jax.block_until_ready(looped(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(looped(*args))
+        times.append((time.perf_counter() - t0) / chain)
+    return statistics.median(times) * 1e6
+
+
+
+# ---- MoE grouped GEMM ------------------------------------------------------------------------------------------
+MOE_FULL = dict(tokens=(1, 8, 16, 32, 64, 128, 256, 4096, 16384), experts=256, hidden=2048, inter=512,
+                shared_inter=512, top_k=8, chain=10, repeats=5)
+MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, shared_inter=32, top_k=2, chain=2, repeats=1)
+# Expert-major few-token kernels, tried up to twice FEW_TOKENS: (block_n, block_k, num_warps, num_stages); the
+# first is the default.
+MOE_FEW_CONFIGS = [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4),
+                   (32, 128, 2, 4)]
+# Sorted blocks: (block_m or None for the default by token count, block_n, block_k, num_warps, num_stages); below
+# MOE_SORTED_SWEEP tokens only the default runs (for comparison with the few-token kernels).
+MOE_SORTED_CONFIGS = [(None, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4),
+                      (64, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 4)]
+MOE_SORTED_SWEEP = 4096
+MOE_MAX_REL_ERR = 2e-2  # bf16 outputs; a routing or indexing bug gives errors of order 1
+
+
+def moe_inputs(tokens: int, dims: dict):
+    keys = jax.random.split(jax.random.key(tokens), 5)
+    e, h, i = dims["experts"], dims["hidden"], dims["inter"]
+    x = jax.random.normal(keys[0], (tokens, h)).astype(jnp.bfloat16)
+    router = (jax.random.normal(keys[1], (h, e)) * 0.05).astype(jnp.bfloat16)
+    weights, ids = route(x, router, dims["top_k"], True)
+    w = lambda k, shape: (jax.random.normal(k, shape) * 0.02).astype(jnp.bfloat16)
+    return (x, weights, ids, w(keys[2], (e, h, i)), w(keys[3], (e, h, i)), w(keys[4], (e, i, h))), router
+
+
+def moe_layer_params(router: jax.Array, experts: tuple, dims: dict) -> dict:
+    """A whole sparse-MoE layer's params (router, routed and shared expert) around the benchmark's expert weights."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    h, si = dims["hidden"], dims["shared_inter"]
+    w = lambda k, shape: (jax.random.normal(k, shape) * 0.02).astype(jnp.bfloat16)
+    return dict(router=router, w_gate=experts[0], w_up=experts[1], w_down=experts[2], shared_gate=w(keys[0], (h, si)),
+                shared_up=w(keys[1], (h, si)), shared_down=w(keys[2], (si, h)), shared_expert_gate=w(keys[3], (h, 1)))
+
+
 def _moe_line(lines, tokens, used, moved, flops, ref_us, impl, config, us, err=float("nan"), note=""):
     tbs = moved / us / 1e6
     lines.append(f"| {tokens} | {used} | {impl} | {config} | {us:.1f} | {tbs:.2f} | {tbs / PEAK_TBS:.0%} "
@@ -205,37 +243,62 @@ def _moe_line(lines, tokens, used, moved, flops, ref_us, impl, config, us, err=f
     print(lines[-1], flush=True)
 
 
-def bench_moe(dims: dict, configs: list, interpret: bool, deadline: float, failures: list) -> str:
+def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> list:
+    """(impl, config label, routed_experts with that configuration) to time at this token count."""
+    few = [("pallas moe_gemm, few-token", f"BN={bn} BK={bk} w={w} s={st}",
+            dict(few_tokens=True, block_n=bn, block_k=bk, num_warps=w, num_stages=st))
+           for bn, bk, w, st in (MOE_FEW_CONFIGS[:2] if small else MOE_FEW_CONFIGS)]
+    sweep = tokens >= MOE_SORTED_SWEEP and not small
+    sorted_blocks = [("pallas moe_gemm, sorted", f"BM={bm or moe_gemm.block_rows(tokens * dims['top_k'])} BN={bn} "
+                      f"BK={bk} w={w} s={st}", dict(few_tokens=False, block_m=bm, block_n=bn, block_k=bk,
+                                                     num_warps=w, num_stages=st))
+                     for bm, bn, bk, w, st in (MOE_SORTED_CONFIGS if sweep else MOE_SORTED_CONFIGS[:1])]
+    chosen = few if tokens <= 2 * moe_gemm.FEW_TOKENS else []
+    return [(impl, label, functools.partial(moe_gemm.routed_experts, interpret=interpret, **kw))
+            for impl, label, kw in chosen + sorted_blocks]
+
+
+def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failures: list) -> str:
+    """Routed experts alone (every configuration), then the whole MoE layer (router, top-k, routed and shared
+    expert) with the default kernels and with the reference, each chained `chain` times in one program."""
     lines = ["| tokens | experts read | impl | config | us/call | TB/s (weights read) | of 4.3 TB/s | TFLOP/s "
              "| vs reference | rel err | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    h, i = dims["hidden"], dims["inter"]
+    h, i, chain, repeats = dims["hidden"], dims["inter"], dims["chain"], dims["repeats"]
+    as_x = lambda fn: lambda x, *rest: fn(x, *rest).astype(x.dtype)  # chained: each call's output is the next x
     for tokens in dims["tokens"]:
-        args = moe_inputs(tokens, dims)
+        args, router = moe_inputs(tokens, dims)
         used = int(np.unique(np.asarray(args[2])).size)
         moved = used * 3 * h * i * 2 + tokens * h * 2 * 2  # distinct experts' bf16 weights + x in, out
         flops = 2 * tokens * dims["top_k"] * 3 * h * i
-        ref = jax.jit(moe_gemm.reference)
-        want = np.asarray(ref(*args), np.float64)
-        ref_us = time_call(ref, args, dims["repeats"], dims["inner"])
+        want = np.asarray(jax.jit(moe_gemm.reference)(*args), np.float64)
+        # ragged_dot takes ~80 ms at 4,096 tokens and grows linearly: timed up to there
+        ref_us = time_chained(as_x(moe_gemm.reference), args, chain, repeats) if tokens <= 4096 else float("nan")
         line = functools.partial(_moe_line, lines, tokens, used, moved, flops, ref_us)
         line("ragged_dot (XLA)", "-", ref_us)
-        for bm, bn, bk, warps, stages in configs:
-            config = f"BM={bm or moe_gemm.block_rows(tokens * dims['top_k'])} BN={bn} BK={bk} w={warps} s={stages}"
+        for impl, config, fn in _moe_candidates(tokens, dims, interpret, small):
             if time.perf_counter() > deadline:
-                line("pallas moe_gemm", config, float("nan"), note="skipped: time budget")
+                line(impl, config, float("nan"), note="skipped: time budget")
                 continue
-            fn = jax.jit(functools.partial(moe_gemm.routed_experts, block_m=bm, block_n=bn, block_k=bk,
-                                           num_warps=warps, num_stages=stages, interpret=interpret))
             try:
-                got = np.asarray(fn(*args), np.float64)
+                got = np.asarray(jax.jit(fn)(*args), np.float64)
                 err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
                 note = "" if err < MOE_MAX_REL_ERR else f"rel err above {MOE_MAX_REL_ERR:g}"
-                line("pallas moe_gemm", config, time_call(fn, args, dims["repeats"], dims["inner"]), err, note)
+                line(impl, config, time_chained(as_x(fn), args, chain, repeats), err, note)
             except Exception as e:  # a lowering or compile error: report it and keep going
                 note = failure_note(e, f"moe T={tokens} {config}")
-                line("pallas moe_gemm", config, float("nan"), note=note)
+                line(impl, config, float("nan"), note=note)
             if note:
                 failures.append(f"moe T={tokens} {config}: {note}")
+        # The whole layer: what the decode step pays per MoE layer (router GEMM, softmax top-k, experts, shared).
+        p = moe_layer_params(router, args[3:], dims)
+        layer_moved = moved + (h * dims["experts"] + 3 * h * dims["shared_inter"]) * 2
+        for kernels in ("reference", "gpu"):
+            if kernels == "reference" and tokens > 4096 or time.perf_counter() > deadline:
+                continue
+            layer = functools.partial(sparse_moe, top_k=dims["top_k"], renormalize=True, kernels=kernels)
+            us = time_chained(lambda x, p: layer(x, p), (args[0], p), chain, repeats)
+            _moe_line(lines, tokens, used, layer_moved, flops, ref_us, f"whole MoE layer, kernels={kernels}",
+                      "router + top-k + experts + shared", us)
     return "\n".join(lines)
 
 
@@ -265,27 +328,6 @@ def attention_inputs(rows: int, seq: int, context: int, dims: dict) -> tuple:
     tables = jnp.asarray(np.random.default_rng(rows).permutation(rows * pages).reshape(rows, pages) + 1, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(context - seq, context, dtype=jnp.int32), (rows, seq))
     return q, k_cache, v_cache, positions, jnp.full((rows,), context, jnp.int32), tables
-
-
-def time_chained(fn: Callable, args: tuple, chain: int, repeats: int) -> float:
-    """Median device microseconds per call of fn(q, *operands) -> q's shape: `chain` calls unrolled in one jitted
-    program, each call's output the next one's q (no host dispatch or loop condition per call). An optimization
-    barrier before each call hides that the operands repeat, so XLA cannot share work between the calls (the
-    reference's page gather, say)."""
-    def chained(q, *operands):
-        for _ in range(chain):
-            q, *operands = jax.lax.optimization_barrier((q, *operands))
-            q = fn(q, *operands)
-        return q
-
-    looped = jax.jit(chained)
-    jax.block_until_ready(looped(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(looped(*args))
-        times.append((time.perf_counter() - t0) / chain)
-    return statistics.median(times) * 1e6
 
 
 def _pa_line(lines, case, moved, flops, roof, ref_us, impl, config, us, err=float("nan"), note=""):
@@ -463,9 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "moe"):
         dims = MOE_SMALL if args.small else MOE_FULL
         print(f"moe_gemm: E={dims['experts']} H={dims['hidden']} I={dims['inter']} top_k={dims['top_k']}; "
-              f"median of {dims['repeats']} x ({dims['inner']} calls queued, then block)", flush=True)
-        text = bench_moe(dims, MOE_CONFIGS[:2] if args.small else MOE_CONFIGS, interpret,
-                         time.perf_counter() + args.budget_s, failures)
+              f"us/call = median of {dims['repeats']} x ({dims['chain']} calls chained in one program) / chain",
+              flush=True)
+        text = bench_moe(dims, interpret, args.small, time.perf_counter() + args.budget_s, failures)
         print(f"\n### moe_gemm on {jax.devices()[0].device_kind} ({time.perf_counter() - start:.0f} s)\n\n{text}\n")
     if args.only in (None, "gdn"):
         dims = SMALL if args.small else FULL

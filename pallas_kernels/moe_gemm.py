@@ -1,12 +1,17 @@
-"""MoE grouped GEMM (routed experts) as two Pallas kernels, with the plain-jnp `reference` beside it.
+"""MoE grouped GEMM (routed experts) as Pallas kernels, with the plain-jnp `reference` beside it. Two layouts:
 
-The (token, expert) pairs are sorted by expert and each expert's group is padded to a multiple of `block_m` rows,
-so every block of rows belongs to one expert (the layout of vLLM's fused_moe). Then
-  1. gate_up: rows @ w_gate[e], rows @ w_up[e] and SwiGLU in one kernel, one program per (row block, column block);
-  2. down:    hidden @ w_down[e], one program per (row block, column block);
-and XLA scales each pair by its routing weight and sums a token's k pairs in float32.
-Only the experts that received tokens are read: at one token that is 8 of 256 experts, where XLA's ragged_dot
-streams every expert's weights (the whole point on the decode path).
+Few tokens (decode, at most FEW_TOKENS): expert-major, no sort. One program per (expert, column block) reads the
+  (token, expert) pairs itself, exits at once if its expert got none, and otherwise runs all the tokens through the
+  expert's weights as one [tokens padded to 16+, H] tile, keeping only the routed rows:
+  1. gate_up: x @ w_gate[e], x @ w_up[e] and SwiGLU, each routed row stored at its pair's row of h [T*k, I];
+  2. down:    h's rows of the expert's pairs @ w_down[e], times the routing weight, stored at the pair's row;
+  and one XLA fusion sums a token's k rows in float32. Two launches and a sum: the sort, bincount and scatters of a
+  plan cost more than the weight traffic at one token (8 experts, 50 MB).
+Many tokens (prefill): the (token, expert) pairs are sorted by expert and each expert's group is padded to a
+  multiple of `block_m` rows, so every block of rows belongs to one expert (the layout of vLLM's fused_moe), then
+  the same two GEMMs run one program per (row block, column block), and XLA scales each pair by its routing weight
+  and sums a token's k pairs in float32.
+Both read only the experts that received tokens, where XLA's ragged_dot streams every expert's weights.
 
 Pallas' Triton lowering (as pallas_kernels/gdn_decode.py): the same source runs on the CPU in interpret mode, so
 CI tests the kernel itself, not only its reference. Rounding follows the reference: float32 accumulation, each
@@ -20,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from qwen_jax.layers.mlp import routed_experts_f32 as reference  # noqa: F401  (the jnp reference of this kernel)
 
@@ -116,12 +122,109 @@ def _rounded(acc, *, dtype):
     return acc.astype(dtype)
 
 
-def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton  # GPU only
+# ---- few tokens: expert-major, no sort ---------------------------------------------------------------------------
+FEW_TOKENS = 64  # up to this many tokens, the expert-major kernels (every program scans all pairs; tiles of T rows)
 
-        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+def _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows: int):
+    """The pairs routed to this program's expert (program_id 0, offset by first_expert): per token row of the tile
+    (rows >= T), whether it chose the expert, the flat index t * k + j of that pair, and its routing weight
+    (float32; a token picks an expert at most once, so the masked sum is exact)."""
+    num_tokens, top_k = ids_ref.shape
+    expert = first_expert_ref[0] + pl.program_id(0)
+    token = jnp.arange(rows, dtype=jnp.int32)
+    slot = jnp.arange(pl.next_power_of_2(top_k), dtype=jnp.int32)
+    at = (jnp.minimum(token, num_tokens - 1)[:, None], jnp.minimum(slot, top_k - 1)[None, :])
+    valid = (token[:, None] < num_tokens) & (slot[None, :] < top_k)
+    hit = (pltriton.load(ids_ref.at[at], mask=valid, other=-1) == expert) & valid
+    routed = jnp.max(hit.astype(jnp.int32), axis=1) > 0
+    pair = token * top_k + jnp.sum(jnp.where(hit, slot[None, :], 0), axis=1)
+    weight = jnp.sum(jnp.where(hit, weights_ref[at].astype(jnp.float32), 0.0), axis=1)
+    return routed, pair, weight
+
+
+def _few_gate_up_kernel(first_expert_ref, ids_ref, weights_ref, x_ref, w_gate_ref, w_up_ref, h_ref, *, rows: int,
+                        block_n: int, block_k: int):
+    """Program (e, n): SwiGLU(x @ w_gate[e], x @ w_up[e]) for columns block n, every token a row; the rows of
+    tokens routed to e go to their pairs' rows of h [T*k, I]. Experts without pairs read nothing."""
+    routed, pair, _ = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows)
+    num_tokens, hidden = x_ref.shape
+    e, n = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(jnp.max(routed.astype(jnp.int32)) > 0)
+    def _():
+        token = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), num_tokens - 1)[:, None]  # padding rows repeat
+        cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+
+        def body(i, accs):
+            k0 = pl.multiple_of(i * block_k, block_k)
+            x = x_ref[token, k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]]
+            ks = pl.ds(k0, block_k)
+            return accs[0] + _dot(x, w_gate_ref[e, ks, cols]), accs[1] + _dot(x, w_up_ref[e, ks, cols])
+
+        zeros = jnp.zeros((rows, block_n), jnp.float32)
+        gate, up = jax.lax.fori_loop(0, hidden // block_k, body, (zeros, zeros))
+        col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
+        pltriton.store(h_ref.at[pair[:, None], col], _swiglu(gate, up, dtype=h_ref.dtype), mask=routed[:, None])
+
+
+def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, out_ref, *, rows: int, block_n: int,
+                     block_k: int):
+    """Program (e, n): for the pairs routed to e, (h row @ w_down[e]) rounded, times the routing weight, rounded,
+    stored at the pair's row of out [T*k, H] (columns block n)."""
+    routed, pair, weight = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows)
+    inter = h_ref.shape[1]
+    e, n = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(jnp.max(routed.astype(jnp.int32)) > 0)
+    def _():
+        cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+
+        def body(i, acc):
+            k0 = pl.multiple_of(i * block_k, block_k)
+            h = pltriton.load(h_ref.at[pair[:, None], k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]],
+                              mask=routed[:, None], other=0.0)
+            return acc + _dot(h, w_down_ref[e, pl.ds(k0, block_k), cols])
+
+        acc = jax.lax.fori_loop(0, inter // block_k, body, jnp.zeros((rows, block_n), jnp.float32))
+        dtype = out_ref.dtype
+        out = (acc.astype(dtype).astype(jnp.float32) * weight.astype(dtype).astype(jnp.float32)[:, None]).astype(dtype)
+        col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
+        pltriton.store(out_ref.at[pair[:, None], col], out, mask=routed[:, None])
+
+
+def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                      w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 64, block_k: int = 64,
+                      num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
+    """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort)."""
+    num_tokens, top_k = ids.shape
+    num_local, hidden, inter = w_gate.shape
+    rows = max(16, pl.next_power_of_2(num_tokens))  # a dot tile has at least 16 rows
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    routing = (jnp.asarray(first_expert, jnp.int32).reshape(1), ids.astype(jnp.int32), weights)
+    pairs = num_tokens * top_k
+
+    bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
+    gate_up = _call(functools.partial(_few_gate_up_kernel, rows=rows, block_n=bn, block_k=bk),
+                    jax.ShapeDtypeStruct((pairs, inter), x.dtype), (num_local, inter // bn), interpret, num_warps,
+                    num_stages, "moe_few_gate_up")
+    h = gate_up(*routing, x, w_gate, w_up)
+
+    bn, bk = _tile(hidden, block_n), _tile(inter, block_k)
+    down = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk),
+                 jax.ShapeDtypeStruct((pairs, hidden), x.dtype), (num_local, hidden // bn), interpret, num_warps,
+                 num_stages, "moe_few_down")
+    out = down(*routing, h, w_down)
+
+    # Rows of pairs routed to experts held elsewhere were never written.
+    expert = ids.reshape(-1) - first_expert
+    local = (expert >= 0) & (expert < num_local)
+    return jnp.where(local[:, None], out.astype(jnp.float32), 0.0).reshape(num_tokens, top_k, hidden).sum(axis=1)
+
+
+def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):
+    compiler_params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret,
                           compiler_params=compiler_params, name=name)
 
@@ -129,11 +232,15 @@ def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_m: int | None = None,
                    block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
-                   interpret: bool | None = None) -> jax.Array:
+                   few_tokens: bool | None = None, interpret: bool | None = None) -> jax.Array:
     """Same contract as `reference` (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
     w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
-    (pairs routed to experts held elsewhere add nothing). interpret=None interprets on CPU only."""
+    (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels (None: when
+    T <= FEW_TOKENS), else the sorted blocks of block_m rows. interpret=None interprets on CPU only."""
     num_tokens, top_k = ids.shape
+    if few_tokens if few_tokens is not None else num_tokens <= FEW_TOKENS:
+        return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, block_n=block_n,
+                                 block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     num_local, hidden, inter = w_gate.shape
     num_pairs = num_tokens * top_k
     block_m = block_m or block_rows(num_pairs)

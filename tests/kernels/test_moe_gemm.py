@@ -1,12 +1,14 @@
-"""The Pallas MoE grouped GEMM (interpret mode on CPU) against its jnp reference (ragged_dot), over ragged
-routings: empty experts, one expert taking every token, experts held elsewhere (expert parallel), odd token counts."""
+"""The Pallas MoE grouped GEMM (interpret mode on CPU) against its jnp reference (ragged_dot), both layouts (the
+expert-major few-token kernels and the sorted blocks), over ragged routings: empty experts, one expert taking every
+token, experts held elsewhere (expert parallel), odd token counts; plus their lowering to Triton for CUDA."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
-from pallas_kernels.moe_gemm import plan, reference, routed_experts
+from pallas_kernels.moe_gemm import FEW_TOKENS, plan, reference, routed_experts
 from qwen_jax.layers.mlp import route
 
 
@@ -24,33 +26,40 @@ def rel_err(x, y) -> float:
     return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
 
 
+LAYOUTS = pytest.mark.parametrize("few_tokens", [True, False], ids=["few_tokens", "sorted"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize("seed,tokens,experts,hidden,inter,top_k,block_m", [
     (0, 1, 16, 64, 32, 4, None),    # one decode token: 4 of 16 experts used, 12 empty
     (1, 7, 8, 64, 32, 2, None),     # odd token count
     (2, 40, 8, 128, 64, 2, 16),     # several full blocks per expert
-    (3, 33, 4, 64, 48, 3, 32),      # intermediate size 48: column tile falls back to 16
+    (3, 33, 4, 64, 48, 3, 32),      # intermediate size 48: column tile falls back to 16; top_k 3 pads to 4
 ])
-def test_kernel_matches_reference(seed, tokens, experts, hidden, inter, top_k, block_m):
+def test_kernel_matches_reference(seed, tokens, experts, hidden, inter, top_k, block_m, few_tokens):
     x, weights, ids, wg, wu, wd = make_inputs(seed, tokens, experts, hidden, inter, top_k)
     want = reference(x, weights, ids, wg, wu, wd)
-    got = routed_experts(x, weights, ids, wg, wu, wd, block_m=block_m, block_n=32, block_k=32)
+    got = routed_experts(x, weights, ids, wg, wu, wd, block_m=block_m, block_n=32, block_k=32,
+                         few_tokens=few_tokens)
     assert got.shape == want.shape and got.dtype == jnp.float32
     assert rel_err(got, want) < 1e-2  # bf16: same rounding points, only the summation order may differ
 
 
-def test_all_tokens_to_one_expert():
+@LAYOUTS
+def test_all_tokens_to_one_expert(few_tokens):
     x, weights, _, wg, wu, wd = make_inputs(4, 20, 8, 64, 32, 2)
     ids = jnp.tile(jnp.array([[5, 2]], jnp.int32), (20, 1))  # experts 5 and 2 get 20 rows each, six get none
     want = reference(x, weights, ids, wg, wu, wd)
-    got = routed_experts(x, weights, ids, wg, wu, wd, block_n=32, block_k=32)
+    got = routed_experts(x, weights, ids, wg, wu, wd, block_n=32, block_k=32, few_tokens=few_tokens)
     assert rel_err(got, want) < 1e-2
 
 
-def test_experts_held_elsewhere_add_nothing():
+@LAYOUTS
+def test_experts_held_elsewhere_add_nothing(few_tokens):
     """A device holding experts 4..7 returns only their share; the two shares sum to the whole."""
     x, weights, ids, wg, wu, wd = make_inputs(5, 9, 8, 64, 32, 3)
-    halves = [routed_experts(x, weights, ids, wg[s:s + 4], wu[s:s + 4], wd[s:s + 4], s, block_n=32, block_k=32)
-              for s in (0, 4)]
+    halves = [routed_experts(x, weights, ids, wg[s:s + 4], wu[s:s + 4], wd[s:s + 4], s, block_n=32, block_k=32,
+                             few_tokens=few_tokens) for s in (0, 4)]
     want_half = reference(x, weights, ids, wg[4:], wu[4:], wd[4:], 4)
     assert rel_err(halves[1], want_half) < 1e-2
     assert rel_err(halves[0] + halves[1], reference(x, weights, ids, wg, wu, wd)) < 1e-2
@@ -70,8 +79,31 @@ def test_plan_puts_each_pair_in_a_block_of_its_expert():
     assert sorted(pair_of_row[pair_of_row < len(flat)].tolist()) == np.flatnonzero(local).tolist()
 
 
-def test_under_jit_with_traced_first_expert():
+@LAYOUTS
+def test_under_jit_with_traced_first_expert(few_tokens):
     x, weights, ids, wg, wu, wd = make_inputs(6, 5, 8, 64, 32, 2)
     fn = jax.jit(lambda first: routed_experts(x, weights, ids, wg[4:], wu[4:], wd[4:], first, block_n=32,
-                                              block_k=32))
+                                              block_k=32, few_tokens=few_tokens),
+                 compiler_options={"xla_allow_excess_precision": False})  # keep the reference's bf16 roundings
     assert rel_err(fn(jnp.int32(4)), reference(x, weights, ids, wg[4:], wu[4:], wd[4:], 4)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens,kernels,grids", [
+    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ", "grid_x = 256 : i32, grid_y = 32 ")),
+    (FEW_TOKENS, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ",)),
+    (FEW_TOKENS + 1, ("moe_gate_up", "moe_down"), ("grid_x = 289 : i32, grid_y = 8 ",)),  # 520 pairs / 16 + 256
+])
+def test_lowers_to_two_triton_calls_for_cuda(tokens, kernels, grids):
+    """Lowered (not compiled) for CUDA on this CPU at the 35B-A3B shapes (256 experts, H 2,048, I 512, top 8): up
+    to FEW_TOKENS tokens the expert-major kernels with no sort anywhere in the program; above, the sorted blocks."""
+    s = jax.ShapeDtypeStruct
+    e, h, i, k = 256, 2048, 512, 8
+    args = (s((tokens, h), jnp.bfloat16), s((tokens, k), jnp.bfloat16), s((tokens, k), jnp.int32),
+            s((e, h, i), jnp.bfloat16), s((e, h, i), jnp.bfloat16), s((e, i, h), jnp.bfloat16))
+    fn = jax.jit(lambda *a: routed_experts(*a, interpret=False))
+    text = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
+    assert all(f'name = "{name}"' in text for name in kernels)
+    assert all(grid in text for grid in grids)
+    assert ("stablehlo.sort" in text) == (tokens > FEW_TOKENS)
