@@ -296,7 +296,7 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
             if kernels == "reference" and tokens > 4096 or time.perf_counter() > deadline:
                 continue
             layer = functools.partial(sparse_moe, top_k=dims["top_k"], renormalize=True, kernels=kernels)
-            us = time_chained(lambda x, p: layer(x, p), (args[0], p), chain, repeats)
+            us = time_chained(layer, (args[0], p), chain, repeats)
             _moe_line(lines, tokens, used, layer_moved, flops, ref_us, f"whole MoE layer, kernels={kernels}",
                       "router + top-k + experts + shared", us)
     return "\n".join(lines)
