@@ -194,9 +194,11 @@ def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, 
 
 
 def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 64, block_k: int = 64,
-                      num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
-    """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort)."""
+                      w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 128,
+                      block_k: int = 64, num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None
+                      ) -> jax.Array:
+    """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
+    best of pallas_kernels/bench.py on an H200 at 8-64 tokens (BENCH_H200.md)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
     rows = max(16, pl.next_power_of_2(num_tokens))  # a dot tile has at least 16 rows
@@ -231,16 +233,18 @@ def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):
 
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_m: int | None = None,
-                   block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
+                   block_n: int | None = None, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
                    few_tokens: bool | None = None, interpret: bool | None = None) -> jax.Array:
     """Same contract as `reference` (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
     w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
     (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels (None: when
-    T <= FEW_TOKENS), else the sorted blocks of block_m rows. interpret=None interprets on CPU only."""
+    T <= FEW_TOKENS), else the sorted blocks of block_m rows. block_n=None: 128 columns few-token, 64 sorted.
+    interpret=None interprets on CPU only."""
     num_tokens, top_k = ids.shape
     if few_tokens if few_tokens is not None else num_tokens <= FEW_TOKENS:
-        return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, block_n=block_n,
+        return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, block_n=block_n or 128,
                                  block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    block_n = block_n or 64
     num_local, hidden, inter = w_gate.shape
     num_pairs = num_tokens * top_k
     block_m = block_m or block_rows(num_pairs)

@@ -89,8 +89,9 @@ def test_under_jit_with_traced_first_expert(few_tokens):
 
 
 @pytest.mark.parametrize("tokens,kernels,grids", [
-    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ", "grid_x = 256 : i32, grid_y = 32 ")),
-    (FEW_TOKENS, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ",)),
+    # 128-column tiles: I 512 -> 4, H 2,048 -> 16
+    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 4 ", "grid_x = 256 : i32, grid_y = 16 ")),
+    (FEW_TOKENS, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 4 ",)),
     (FEW_TOKENS + 1, ("moe_gate_up", "moe_down"), ("grid_x = 289 : i32, grid_y = 8 ",)),  # 520 pairs / 16 + 256
 ])
 def test_lowers_to_two_triton_calls_for_cuda(tokens, kernels, grids):
