@@ -207,12 +207,11 @@ MOE_FULL = dict(tokens=(1, 8, 16, 32, 64, 128, 256, 4096, 16384), experts=256, h
 MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, shared_inter=32, top_k=2, chain=2, repeats=1)
 # Expert-major few-token kernels, tried up to twice FEW_TOKENS: (block_n, block_k, num_warps, num_stages); the
 # first is the default.
-MOE_FEW_CONFIGS = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4),
-                   (32, 128, 4, 4), (128, 128, 8, 3)]
-# Sorted blocks: (block_m or None for the default by token count, block_n, block_k, num_warps, num_stages); below
-# MOE_SORTED_SWEEP tokens only the default runs (for comparison with the few-token kernels).
-MOE_SORTED_CONFIGS = [(None, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4),
-                      (64, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 64, 64, 4, 4)]
+MOE_FEW_CONFIGS = [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (32, 128, 4, 4)]
+# Sorted blocks: (block_m, block_n, block_k, num_warps, num_stages), None: moe_gemm.default_tiles; below
+# MOE_SORTED_SWEEP tokens only the defaults run (for comparison with the few-token kernels).
+MOE_SORTED_CONFIGS = [(None,) * 5, (64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3),
+                      (64, 64, 64, 4, 4)]
 MOE_SORTED_SWEEP = 4096
 MOE_MAX_REL_ERR = 2e-2  # bf16 outputs; a routing or indexing bug gives errors of order 1
 
@@ -245,17 +244,19 @@ def _moe_line(lines, tokens, used, moved, flops, ref_us, impl, config, us, err=f
 
 def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> list:
     """(impl, config label, routed_experts with that configuration) to time at this token count."""
-    few = [("pallas moe_gemm, few-token", f"BN={bn} BK={bk} w={w} s={st}",
-            dict(few_tokens=True, block_n=bn, block_k=bk, num_warps=w, num_stages=st))
+    few = [dict(few_tokens=True, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
            for bn, bk, w, st in (MOE_FEW_CONFIGS[:2] if small else MOE_FEW_CONFIGS)]
     sweep = tokens >= MOE_SORTED_SWEEP and not small
-    sorted_blocks = [("pallas moe_gemm, sorted", f"BM={bm or moe_gemm.block_rows(tokens * dims['top_k'])} BN={bn} "
-                      f"BK={bk} w={w} s={st}", dict(few_tokens=False, block_m=bm, block_n=bn, block_k=bk,
-                                                     num_warps=w, num_stages=st))
+    sorted_blocks = [dict(few_tokens=False, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
                      for bm, bn, bk, w, st in (MOE_SORTED_CONFIGS if sweep else MOE_SORTED_CONFIGS[:1])]
-    chosen = few if tokens <= 2 * moe_gemm.FEW_TOKENS else []
-    return [(impl, label, functools.partial(moe_gemm.routed_experts, interpret=interpret, **kw))
-            for impl, label, kw in chosen + sorted_blocks]
+    out = []
+    for given in (few if tokens <= 2 * moe_gemm.FEW_TOKENS else []) + sorted_blocks:
+        t = moe_gemm.resolve_tiles(tokens, tokens * dims["top_k"], **given)
+        impl = "pallas moe_gemm, " + ("few-token" if t["few_tokens"] else "sorted")
+        label = ("" if t["few_tokens"] else f"BM={t['block_m']} ") + \
+            f"BN={t['block_n']} BK={t['block_k']} w={t['num_warps']} s={t['num_stages']}"
+        out.append((impl, label, functools.partial(moe_gemm.routed_experts, interpret=interpret, **given)))
+    return out
 
 
 def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failures: list) -> str:

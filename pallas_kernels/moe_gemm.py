@@ -40,9 +40,23 @@ def _tile(dim: int, preferred: int) -> int:
     return tile
 
 
-def block_rows(num_pairs: int) -> int:
-    """Rows per block: small for decode (few rows per expert, memory-bound), larger for prefill (compute-bound)."""
-    return 16 if num_pairs <= 2048 else 64
+def default_tiles(num_tokens: int, num_pairs: int) -> dict:
+    """Tiles by layout and size, from the H200 sweeps of pallas_kernels/bench.py (BENCH_H200.md): the expert-major
+    kernels up to FEW_TOKENS tokens; sorted blocks of 16 rows while memory-bound (few rows per expert); at prefill
+    sizes, 128 x 128 tiles on 8 warps (compute-bound)."""
+    if num_tokens <= FEW_TOKENS:
+        return dict(few_tokens=True, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    if num_pairs <= 2048:
+        return dict(few_tokens=False, block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return dict(few_tokens=False, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+
+
+def resolve_tiles(num_tokens: int, num_pairs: int, **given) -> dict:
+    """default_tiles with the given (not None) values put in; forcing a layout takes that layout's defaults."""
+    tiles = default_tiles(num_tokens, num_pairs)
+    if given.get("few_tokens") is not None and given["few_tokens"] != tiles["few_tokens"]:
+        tiles = default_tiles(1, 1) if given["few_tokens"] else default_tiles(FEW_TOKENS + 1, num_pairs)
+    return tiles | {k: v for k, v in given.items() if v is not None}
 
 
 def plan(ids: jax.Array, num_local: int, first_expert: jax.Array | int, block_m: int
@@ -194,11 +208,11 @@ def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, 
 
 
 def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 128,
-                      block_k: int = 64, num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None
+                      w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 64,
+                      block_k: int = 64, num_warps: int = 4, num_stages: int = 4, interpret: bool | None = None
                       ) -> jax.Array:
     """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
-    best of pallas_kernels/bench.py on an H200 at 8-64 tokens (BENCH_H200.md)."""
+    steadiest of two pallas_kernels/bench.py sweeps on an H200 at 1-64 tokens (BENCH_H200.md)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
     rows = max(16, pl.next_power_of_2(num_tokens))  # a dot tile has at least 16 rows
@@ -232,22 +246,24 @@ def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_m: int | None = None,
-                   block_n: int | None = None, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
-                   few_tokens: bool | None = None, interpret: bool | None = None) -> jax.Array:
+                   w_down: jax.Array, first_expert: jax.Array | int = 0, *, few_tokens: bool | None = None,
+                   block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None
+                   ) -> jax.Array:
     """Same contract as `reference` (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
     w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
-    (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels (None: when
-    T <= FEW_TOKENS), else the sorted blocks of block_m rows. block_n=None: 128 columns few-token, 64 sorted.
-    interpret=None interprets on CPU only."""
+    (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels, else the sorted
+    blocks of block_m rows; None here and in the tiles: `default_tiles`. interpret=None interprets on CPU only."""
     num_tokens, top_k = ids.shape
-    if few_tokens if few_tokens is not None else num_tokens <= FEW_TOKENS:
-        return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, block_n=block_n or 128,
-                                 block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    block_n = block_n or 64
+    tiles = resolve_tiles(num_tokens, num_tokens * top_k, few_tokens=few_tokens, block_m=block_m, block_n=block_n,
+                          block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    if tiles.pop("few_tokens"):
+        tiles.pop("block_m")
+        return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, interpret=interpret, **tiles)
+    block_m, block_n, block_k = tiles["block_m"], tiles["block_n"], tiles["block_k"]
+    num_warps, num_stages = tiles["num_warps"], tiles["num_stages"]
     num_local, hidden, inter = w_gate.shape
     num_pairs = num_tokens * top_k
-    block_m = block_m or block_rows(num_pairs)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     pair_of_row, row_of_pair, block_expert, num_blocks = plan(ids, num_local, first_expert, block_m)

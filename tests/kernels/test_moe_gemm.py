@@ -89,10 +89,11 @@ def test_under_jit_with_traced_first_expert(few_tokens):
 
 
 @pytest.mark.parametrize("tokens,kernels,grids", [
-    # 128-column tiles: I 512 -> 4, H 2,048 -> 16
-    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 4 ", "grid_x = 256 : i32, grid_y = 16 ")),
-    (FEW_TOKENS, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 4 ",)),
+    # 64-column tiles: I 512 -> 8, H 2,048 -> 32
+    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ", "grid_x = 256 : i32, grid_y = 32 ")),
+    (FEW_TOKENS, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ",)),
     (FEW_TOKENS + 1, ("moe_gate_up", "moe_down"), ("grid_x = 289 : i32, grid_y = 8 ",)),  # 520 pairs / 16 + 256
+    (512, ("moe_gate_up", "moe_down"), ("grid_x = 288 : i32, grid_y = 4 ", "num_warps = 8")),  # 4,096 / 128 + 256
 ])
 def test_lowers_to_two_triton_calls_for_cuda(tokens, kernels, grids):
     """Lowered (not compiled) for CUDA on this CPU at the 35B-A3B shapes (256 experts, H 2,048, I 512, top 8): up

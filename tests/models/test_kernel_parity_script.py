@@ -62,6 +62,8 @@ def test_kernel_errors_sit_far_below_what_a_lost_context_or_state_gives(run):
     controls = report["controls"]
     assert min(controls["context"]["rel_diff"]) > 0.1
     assert max(controls["gdn_state_wiped"]["rel_diff"]) > 100 * report["teacher_forced"]["max_rel_err"]
+    nudge = controls["embedding_one_ulp"]  # float32: one ulp of the embeddings moves the logits by ~1e-7
+    assert nudge["steps"] == STEPS and nudge["top1_agreement"] == 1.0 and 0 < max(nudge["prefill_rel_diff"]) < 1e-5
 
 
 def test_free_running_gpu_tokens_equal_the_reference_tokens(run):
