@@ -315,8 +315,9 @@ PA_FULL = dict(heads=16, kv_heads=2, head_dim=256, block_size=16, decode=((1, 20
 PA_SMALL = dict(heads=4, kv_heads=2, head_dim=16, block_size=4, decode=((3, 24),), prefill=((2, 16),), chain=2,
                 repeats=2)
 # (block_m, block_k, num_splits, num_warps, num_stages); None: the kernel's default (block_m has no say in decode)
-PA_DECODE_CONFIGS = [(None,) * 5, (None, 128, None, 4, 2), (None, 64, None, 2, 3), (None, 64, None, 4, 3),
-                     (None, 64, 1, 4, 2), (None, 64, 16, 4, 2)]
+PA_DECODE_CONFIGS = [(None,) * 5, (None, 32, None, 4, 3), (None, 32, 4, 4, 3), (None, 32, 8, 4, 3),
+                     (None, 64, 4, 4, 2), (None, 64, 8, 4, 2), (None, 32, None, 4, 4), (None, 32, 8, 2, 4),
+                     (None, 64, 4, 8, 2), (None, 128, None, 4, 2), (None, 64, None, 4, 3), (None, 64, 16, 4, 2)]
 PA_PREFILL_CONFIGS = [(None,) * 5, (128, 64, None, 8, 2), (128, 32, None, 8, 3), (64, 64, None, 4, 2),
                       (64, 32, None, 4, 3)]
 PA_PEAK_TBS = 4.8  # H200 HBM3e, the decode roofline
