@@ -59,13 +59,14 @@ def test_sharded_pallas_kernels_match_single_device_logits(reference, layout):
     calls = _pallas_calls(jax.make_jaxpr(step.sharded_forward(cfg, m))(shapes, cache, batch).jaxpr)
     shards = lambda logical, size: rules.num_shards(rules.logical_to_spec((logical,), (size,), m), m)  # noqa: E731
     # Operands: paged_attention (context_lens, tables, positions, kv start, q [B, S, heads, D], ...), gdn_decode
-    # (slots, fresh, q, k, v, a, b, A_log, dt_bias, state [slots, nv, dk, dv]), moe_gate_up (.., w_gate [E, H, I], ..).
+    # (slots, fresh, q, k, v, a, b, A_log, dt_bias, state [slots, nv, dk, dv]), moe_few_gate_up (the decode MoE:
+    # first_expert, ids, weights, x, w_gate [E, H, I], w_up).
     assert calls["paged_attention"][4][2] == cfg.num_heads // shards("heads", cfg.num_heads)
     if cfg.linear_layers:
         nv = cfg.linear_num_value_heads
         assert calls["gdn_decode"][-1][1] == nv // shards("gdn_value_heads", nv)
     if cfg.moe_layers:
-        assert calls["moe_gate_up"][3][0] == cfg.num_experts // shards("experts", cfg.num_experts)
+        assert calls["moe_few_gate_up"][4][0] == cfg.num_experts // shards("experts", cfg.num_experts)
 
 
 def _pallas_calls(jaxpr) -> dict[str, list[tuple]]:
