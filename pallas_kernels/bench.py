@@ -207,12 +207,18 @@ MOE_FULL = dict(tokens=(1, 8, 16, 32, 64, 128, 256, 4096, 16384), experts=256, h
 MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, shared_inter=32, top_k=2, chain=2, repeats=1)
 # Expert-major few-token kernels, tried up to twice FEW_TOKENS: (block_n, block_k, num_warps, num_stages); the
 # first is the default.
-MOE_FEW_CONFIGS = [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (32, 128, 4, 4)]
+MOE_FEW_CONFIGS = [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4),
+                   (16, 64, 4, 4), (16, 128, 2, 4), (32, 64, 2, 3)]
 # Sorted blocks: (block_m, block_n, block_k, num_warps, num_stages), None: moe_gemm.default_tiles; below
 # MOE_SORTED_SWEEP tokens only the defaults run (for comparison with the few-token kernels).
 MOE_SORTED_CONFIGS = [(None,) * 5, (64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3),
                       (64, 64, 64, 4, 4)]
 MOE_SORTED_SWEEP = 4096
+# Native Triton kernels (pallas_kernels/moe_triton.py, GPU only) from MOE_SORTED_SWEEP tokens: (block_m, block_n,
+# block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages) or None: gate_up's).
+MOE_TRITON_CONFIGS = [(128, 128, 64, 8, 3, None), (128, 128, 64, 8, 4, None), (64, 128, 64, 4, 3, None),
+                      (128, 64, 64, 4, 3, None), (128, 128, 64, 8, 3, (256, 64, 8, 3)), (64, 64, 64, 4, 4, None),
+                      (128, 128, 64, 8, 3, (128, 128, 4, 3)), (64, 128, 64, 4, 4, (128, 64, 4, 4))]
 MOE_MAX_REL_ERR = 2e-2  # bf16 outputs; a routing or indexing bug gives errors of order 1
 
 
@@ -256,6 +262,19 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> li
         label = ("" if t["few_tokens"] else f"BM={t['block_m']} ") + \
             f"BN={t['block_n']} BK={t['block_k']} w={t['num_warps']} s={t['num_stages']}"
         out.append((impl, label, functools.partial(moe_gemm.routed_experts, interpret=interpret, **given)))
+    if sweep and not interpret:
+        try:
+            from pallas_kernels import moe_triton  # GPU only (triton, jax_triton: the cuda extra)
+        except ImportError as e:
+            def missing(*args, error=e):
+                raise error
+            return out + [("triton moe (jax-triton), sorted", "-", missing)]
+        for bm, bn, bk, w, st, down in MOE_TRITON_CONFIGS:
+            label = f"BM={bm} BN={bn} BK={bk} w={w} s={st}" + (f"; down BN={down[0]} BK={down[1]} w={down[2]} "
+                                                               f"s={down[3]}" if down else "")
+            out.append(("triton moe (jax-triton), sorted", label, functools.partial(
+                moe_triton.routed_experts, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
+                down=down)))
     return out
 
 
@@ -492,7 +511,26 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
                 line("pallas gdn_prefill", config, float("nan"), note=note)
             if note:
                 failures.append(f"gdn_prefill {case} {config}: {note}")
+        if time.perf_counter() < deadline:
+            for stage, us in gdn_prefill_stages(args, dims, interpret).items():
+                _gp_line(lines, case, float("nan"), float("nan"), ref_us, f"pallas {stage} alone", "defaults", us)
     return "\n".join(lines)
+
+
+def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
+    """Microseconds of each of gdn_prefill's two launches alone, at its default configuration."""
+    q, k, v, a, b, A_log, dt_bias, state, seq_lens = args
+    defaults = {name: p.default for name, p in inspect.signature(gdn_prefill.gdn_prefill).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    config = dict(chunk_size=defaults["chunk_size"], num_warps=defaults["num_warps"],
+                  num_stages=defaults["num_stages"], interpret=interpret)
+    wy = jax.jit(functools.partial(gdn_prefill.wy_inverse, num_values=dims["nv"], dtype=q.dtype, **config))
+    t = wy(k, a, b, A_log, dt_bias, seq_lens)
+    scan = jax.jit(functools.partial(gdn_prefill.chunked_scan, block_v=defaults["block_v"] or min(64, dims["dv"]),
+                                     **config))
+    return {"gdn_prefill_wy": time_call(wy, (k, a, b, A_log, dt_bias, seq_lens), dims["repeats"], dims["inner"]),
+            "gdn_prefill_scan": time_call(scan, (q, k, v, a, b, A_log, dt_bias, t, state, seq_lens),
+                                          dims["repeats"], dims["inner"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
     parser.add_argument("--budget-s", type=float, default=70.0, help="start no kernel configuration after this "
                         "(per kernel)")
+    parser.add_argument("--defaults-only", action="store_true", help="gdn_prefill: the default configuration only "
+                        "(and each launch alone)")
     parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention"), help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -541,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
               "out and state (not donated: the kernel's in-place update costs a copy of it); us/call = median of "
               f"{dims['repeats']} x ({dims['inner']} calls queued, then block); roofline = max(FLOPs / peak, "
               "bytes / HBM)", flush=True)
-        text = bench_gdn_prefill(dims, GP_SMALL_CONFIGS if args.small else GP_CONFIGS, interpret,
+        configs = GP_SMALL_CONFIGS if args.small else GP_CONFIGS
+        text = bench_gdn_prefill(dims, configs[:1] if args.defaults_only else configs, interpret,
                                  gp_start + args.budget_s, failures)
         print(f"\n### gdn_prefill on {jax.devices()[0].device_kind} ({time.perf_counter() - gp_start:.0f} s)"
               f"\n\n{text}\n")

@@ -193,21 +193,43 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.A
             or any(n < 16 or n & (n - 1) for n in tiles):
         raise ValueError(f"gdn_prefill: q {q.shape}, v {v.shape}, state {state.shape} {state.dtype}, "
                          f"chunk_size {chunk_size}, block_v {block_v}")
-    compiler_params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    dtype = q.dtype  # dot operands and T's storage: the model's dtype
-    precision = jax.lax.Precision.HIGHEST if dtype == F32 else None  # float32: IEEE dots on GPU, not TF32
-    num_chunks = -(-seq // chunk_size)
-    seq_lens = jnp.minimum(seq_lens.astype(jnp.int32), seq)
-    config = dict(repeat=nv // nk, chunk=chunk_size, dtype=dtype, precision=precision)
+    config = dict(chunk_size=chunk_size, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    t = wy_inverse(k, a, b, A_log, dt_bias, seq_lens, num_values=nv, dtype=q.dtype, **config)
+    return chunked_scan(q, k, v, a, b, A_log, dt_bias, t, state, seq_lens, block_v=block_v, **config)
 
-    t = pl.pallas_call(
+
+def _launch_config(chunk_size: int, num_warps: int, num_stages: int, interpret: bool, dtype, num_kv: int,
+                   num_values: int) -> tuple[dict, object]:
+    compiler_params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    precision = jax.lax.Precision.HIGHEST if dtype == F32 else None  # float32: IEEE dots on GPU, not TF32
+    return dict(repeat=num_values // num_kv, chunk=chunk_size, dtype=dtype, precision=precision), compiler_params
+
+
+def wy_inverse(k: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bias: jax.Array, seq_lens: jax.Array,
+               *, num_values: int, dtype, chunk_size: int, num_warps: int, num_stages: int, interpret: bool
+               ) -> jax.Array:
+    """First launch: T = (I + A)^-1 of every live chunk, [B, nv, chunks * C, C] in `dtype` (the dot operands')."""
+    batch, seq, nk, _ = k.shape
+    config, compiler_params = _launch_config(chunk_size, num_warps, num_stages, interpret, dtype, nk, num_values)
+    num_chunks = -(-seq // chunk_size)
+    return pl.pallas_call(
         functools.partial(_wy_kernel, **config),
-        out_shape=jax.ShapeDtypeStruct((batch, nv, num_chunks * chunk_size, chunk_size), dtype),
-        grid=(num_chunks, nv, batch),
+        out_shape=jax.ShapeDtypeStruct((batch, num_values, num_chunks * chunk_size, chunk_size), dtype),
+        grid=(num_chunks, num_values, batch),
         interpret=interpret,
         compiler_params=compiler_params,
         name="gdn_prefill_wy",
-    )(seq_lens, k, a, b, A_log, dt_bias)
+    )(jnp.minimum(seq_lens.astype(jnp.int32), seq), k, a, b, A_log, dt_bias)
+
+
+def chunked_scan(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
+                 dt_bias: jax.Array, t: jax.Array, state: jax.Array, seq_lens: jax.Array, *, block_v: int,
+                 chunk_size: int, num_warps: int, num_stages: int, interpret: bool
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Second launch: each row's chunks in order given `wy_inverse`'s T; returns (out, final state)."""
+    batch, seq, nk, _ = q.shape
+    nv, dv = v.shape[2:]
+    config, compiler_params = _launch_config(chunk_size, num_warps, num_stages, interpret, q.dtype, nk, nv)
     return pl.pallas_call(
         functools.partial(_scan_kernel, **config, block_v=block_v),
         out_shape=(jax.ShapeDtypeStruct((batch, seq, nv, dv), F32), jax.ShapeDtypeStruct(state.shape, F32)),
@@ -216,7 +238,7 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.A
         interpret=interpret,
         compiler_params=compiler_params,
         name="gdn_prefill_scan",
-    )(seq_lens, q, k, v, a, b, A_log, dt_bias, t, state)
+    )(jnp.minimum(seq_lens.astype(jnp.int32), seq), q, k, v, a, b, A_log, dt_bias, t, state)
 
 
 def select(kernels: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
