@@ -202,13 +202,13 @@ def time_chained(fn: Callable, args: tuple, chain: int, repeats: int) -> float:
 
 
 # ---- MoE grouped GEMM ------------------------------------------------------------------------------------------
-MOE_FULL = dict(tokens=(1, 8, 16, 32, 64, 128, 256, 4096, 16384), experts=256, hidden=2048, inter=512,
+MOE_FULL = dict(tokens=(1, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384), experts=256, hidden=2048, inter=512,
                 shared_inter=512, top_k=8, chain=10, repeats=5)
 MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, shared_inter=32, top_k=2, chain=2, repeats=1)
 # Expert-major few-token kernels, tried up to twice FEW_TOKENS: (block_n, block_k, num_warps, num_stages); the
 # first is the default.
-MOE_FEW_CONFIGS = [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (32, 128, 4, 4), (32, 64, 4, 4),
-                   (16, 64, 4, 4), (16, 128, 2, 4), (32, 64, 2, 3)]
+# Narrower column tiles (16-32: more programs at one token) were slower at every size (BENCH_H200.md).
+MOE_FEW_CONFIGS = [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4)]
 # Sorted blocks: (block_m, block_n, block_k, num_warps, num_stages), None: moe_gemm.default_tiles; below
 # MOE_SORTED_SWEEP tokens only the defaults run (for comparison with the few-token kernels).
 MOE_SORTED_CONFIGS = [(None,) * 5, (64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3),
@@ -219,6 +219,9 @@ MOE_SORTED_SWEEP = 4096
 MOE_TRITON_CONFIGS = [(128, 128, 64, 8, 3, None), (128, 128, 64, 8, 4, None), (64, 128, 64, 4, 3, None),
                       (128, 64, 64, 4, 3, None), (128, 128, 64, 8, 3, (256, 64, 8, 3)), (64, 64, 64, 4, 4, None),
                       (128, 128, 64, 8, 3, (128, 128, 4, 3)), (64, 128, 64, 4, 4, (128, 64, 4, 4))]
+# ... and below MOE_SORTED_SWEEP, where the sorted layout is memory-bound (few rows per expert)
+MOE_TRITON_SMALL_CONFIGS = [(16, 64, 64, 4, 3, None), (16, 128, 64, 4, 3, None), (32, 64, 64, 4, 3, None),
+                            (64, 128, 64, 4, 3, (128, 64, 4, 3))]
 MOE_MAX_REL_ERR = 2e-2  # bf16 outputs; a routing or indexing bug gives errors of order 1
 
 
@@ -249,32 +252,30 @@ def _moe_line(lines, tokens, used, moved, flops, ref_us, impl, config, us, err=f
 
 
 def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> list:
-    """(impl, config label, routed_experts with that configuration) to time at this token count."""
-    few = [dict(few_tokens=True, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-           for bn, bk, w, st in (MOE_FEW_CONFIGS[:2] if small else MOE_FEW_CONFIGS)]
+    """(impl, config label, routed_experts with that configuration) to time at this token count: the defaults,
+    then each layout's sweep (native Triton only on a GPU with jax-triton)."""
+    native = not interpret and moe_gemm.triton_available()
     sweep = tokens >= MOE_SORTED_SWEEP and not small
-    sorted_blocks = [dict(few_tokens=False, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-                     for bm, bn, bk, w, st in (MOE_SORTED_CONFIGS if sweep else MOE_SORTED_CONFIGS[:1])]
+    candidates = [dict()]
+    if tokens <= 2 * moe_gemm.FEW_TOKENS:
+        candidates += [dict(few_tokens=True, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+                       for bn, bk, w, st in (MOE_FEW_CONFIGS[:2] if small else MOE_FEW_CONFIGS)]
+    candidates += [dict(few_tokens=False, triton=False, block_m=bm, block_n=bn, block_k=bk, num_warps=w,
+                        num_stages=st) for bm, bn, bk, w, st in (MOE_SORTED_CONFIGS if sweep else [(None,) * 5])]
+    if native and tokens > moe_gemm.FEW_TOKENS:
+        candidates += [dict(few_tokens=False, triton=True, block_m=bm, block_n=bn, block_k=bk, num_warps=w,
+                            num_stages=st, down=down)
+                       for bm, bn, bk, w, st, down in (MOE_TRITON_CONFIGS if sweep else MOE_TRITON_SMALL_CONFIGS)]
     out = []
-    for given in (few if tokens <= 2 * moe_gemm.FEW_TOKENS else []) + sorted_blocks:
-        t = moe_gemm.resolve_tiles(tokens, tokens * dims["top_k"], **given)
-        impl = "pallas moe_gemm, " + ("few-token" if t["few_tokens"] else "sorted")
+    for given in candidates:
+        t = moe_gemm.resolve_tiles(tokens, tokens * dims["top_k"], native, **given)
+        impl = ("default: " if not given else "") + ("pallas moe_gemm, few-token" if t["few_tokens"] else
+                                                      "triton moe (jax-triton), sorted" if t["triton"] else
+                                                      "pallas moe_gemm, sorted")
+        down = f"; down BN={t['down'][0]} BK={t['down'][1]} w={t['down'][2]} s={t['down'][3]}" if t["down"] else ""
         label = ("" if t["few_tokens"] else f"BM={t['block_m']} ") + \
-            f"BN={t['block_n']} BK={t['block_k']} w={t['num_warps']} s={t['num_stages']}"
+            f"BN={t['block_n']} BK={t['block_k']} w={t['num_warps']} s={t['num_stages']}" + down
         out.append((impl, label, functools.partial(moe_gemm.routed_experts, interpret=interpret, **given)))
-    if sweep and not interpret:
-        try:
-            from pallas_kernels import moe_triton  # GPU only (triton, jax_triton: the cuda extra)
-        except ImportError as e:
-            def missing(*args, error=e):
-                raise error
-            return out + [("triton moe (jax-triton), sorted", "-", missing)]
-        for bm, bn, bk, w, st, down in MOE_TRITON_CONFIGS:
-            label = f"BM={bm} BN={bn} BK={bk} w={w} s={st}" + (f"; down BN={down[0]} BK={down[1]} w={down[2]} "
-                                                               f"s={down[3]}" if down else "")
-            out.append(("triton moe (jax-triton), sorted", label, functools.partial(
-                moe_triton.routed_experts, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st,
-                down=down)))
     return out
 
 

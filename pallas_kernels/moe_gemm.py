@@ -21,6 +21,7 @@ GEMM's result rounded to the model dtype, SiLU in float32 rounded once, bf16 pro
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -40,22 +41,45 @@ def _tile(dim: int, preferred: int) -> int:
     return tile
 
 
-def default_tiles(num_tokens: int, num_pairs: int) -> dict:
-    """Tiles by layout and size, from the H200 sweeps of pallas_kernels/bench.py (BENCH_H200.md): the expert-major
+# At prefill sizes on a GPU the sorted layout runs as native Triton kernels (pallas_kernels/moe_triton.py), which
+# reached 1.5x this module's Pallas-Triton kernels on an H200 (266 vs 172 TFLOP/s at 4,096 tokens, 426 vs 286 at
+# 16,384; BENCH_H200.md); the Pallas ones stay for the CPU (interpret mode) and where jax-triton is missing.
+TRITON_MIN_PAIRS = 2049
+PALLAS_PREFILL_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, down=None)
+TRITON_PREFILL_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, down=(256, 64, 8, 3))
+
+
+def triton_available() -> bool:
+    """Whether the native Triton kernels can run here: a GPU backend and jax-triton installed (the cuda extra)."""
+    return jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
+
+
+def default_tiles(num_tokens: int, num_pairs: int, native: bool = False) -> dict:
+    """Layout and tiles by size, from the H200 sweeps of pallas_kernels/bench.py (BENCH_H200.md): the expert-major
     kernels up to FEW_TOKENS tokens; sorted blocks of 16 rows while memory-bound (few rows per expert); at prefill
-    sizes, 128 x 128 tiles on 8 warps (compute-bound)."""
+    sizes, 128 x 128 tiles on 8 warps (compute-bound), run by the native Triton kernels when `native`."""
     if num_tokens <= FEW_TOKENS:
-        return dict(few_tokens=True, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4)
-    if num_pairs <= 2048:
-        return dict(few_tokens=False, block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
-    return dict(few_tokens=False, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+        return dict(few_tokens=True, triton=False, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4,
+                    down=None)
+    if num_pairs < TRITON_MIN_PAIRS:
+        return dict(few_tokens=False, triton=False, block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3,
+                    down=None)
+    if native:
+        return dict(few_tokens=False, triton=True, **TRITON_PREFILL_TILES)
+    return dict(few_tokens=False, triton=False, **PALLAS_PREFILL_TILES)
 
 
-def resolve_tiles(num_tokens: int, num_pairs: int, **given) -> dict:
-    """default_tiles with the given (not None) values put in; forcing a layout takes that layout's defaults."""
-    tiles = default_tiles(num_tokens, num_pairs)
+def resolve_tiles(num_tokens: int, num_pairs: int, native: bool = False, **given) -> dict:
+    """default_tiles with the given (not None) values put in; forcing a layout (few_tokens, triton) takes that
+    layout's defaults. `native`: whether the native Triton kernels may run (triton_available())."""
+    tiles = default_tiles(num_tokens, num_pairs, native)
     if given.get("few_tokens") is not None and given["few_tokens"] != tiles["few_tokens"]:
-        tiles = default_tiles(1, 1) if given["few_tokens"] else default_tiles(FEW_TOKENS + 1, num_pairs)
+        tiles = default_tiles(1, 1) if given["few_tokens"] else default_tiles(FEW_TOKENS + 1, TRITON_MIN_PAIRS, native)
+    if given.get("triton") is not None and given["triton"] != tiles["triton"]:
+        if given["triton"] and not native:
+            raise ValueError("moe_gemm: triton=True needs a GPU and jax-triton (the cuda extra)")
+        tiles = dict(tiles, few_tokens=False, triton=given["triton"],
+                     **(TRITON_PREFILL_TILES if given["triton"] else PALLAS_PREFILL_TILES))
     return tiles | {k: v for k, v in given.items() if v is not None}
 
 
@@ -247,25 +271,32 @@ def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):
 
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, first_expert: jax.Array | int = 0, *, few_tokens: bool | None = None,
-                   block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None
-                   ) -> jax.Array:
+                   triton: bool | None = None, block_m: int | None = None, block_n: int | None = None,
+                   block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   down: tuple[int, int, int, int] | None = None, interpret: bool | None = None) -> jax.Array:
     """Same contract as `reference` (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
     w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
     (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels, else the sorted
-    blocks of block_m rows; None here and in the tiles: `default_tiles`. interpret=None interprets on CPU only."""
+    blocks of block_m rows; triton: the sorted blocks as native Triton kernels (GPU only; `down`: their down
+    kernel's own tiles); None here and in the tiles: `default_tiles`. interpret=None interprets on CPU only."""
     num_tokens, top_k = ids.shape
-    tiles = resolve_tiles(num_tokens, num_tokens * top_k, few_tokens=few_tokens, block_m=block_m, block_n=block_n,
-                          block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    tiles = resolve_tiles(num_tokens, num_tokens * top_k, not interpret and triton_available(),
+                          few_tokens=few_tokens, triton=triton, block_m=block_m, block_n=block_n, block_k=block_k,
+                          num_warps=num_warps, num_stages=num_stages, down=down)
     if tiles.pop("few_tokens"):
-        tiles.pop("block_m")
+        for key in ("block_m", "triton", "down"):
+            tiles.pop(key)
         return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, interpret=interpret, **tiles)
+    if tiles.pop("triton"):
+        from pallas_kernels import moe_triton  # GPU only
+
+        return moe_triton.routed_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, **tiles)
     block_m, block_n, block_k = tiles["block_m"], tiles["block_n"], tiles["block_k"]
     num_warps, num_stages = tiles["num_warps"], tiles["num_stages"]
     num_local, hidden, inter = w_gate.shape
     num_pairs = num_tokens * top_k
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     pair_of_row, row_of_pair, block_expert, num_blocks = plan(ids, num_local, first_expert, block_m)
     num_blocks_max = block_expert.shape[0]
     rows = x[jnp.minimum(pair_of_row, num_pairs - 1) // top_k]  # padding rows copy a real row: finite, unused

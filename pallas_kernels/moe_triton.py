@@ -93,28 +93,32 @@ def _down_kernel(h_ptr, pair_of_row_ptr, block_expert_ptr, num_blocks_ptr, weigh
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_m: int = 128,
                    block_n: int = 128, block_k: int = 64, num_warps: int = 8, num_stages: int = 3,
-                   down: tuple[int, int, int, int] | None = None) -> jax.Array:
+                   down: tuple[int, int, int, int] | None = None, triton_call=None) -> jax.Array:
     """Same contract as moe_gemm.reference. (block_n, block_k, num_warps, num_stages) are gate_up's; `down` gives
-    the down kernel's own, else it takes gate_up's. block_m is both kernels' (the plan's)."""
+    the down kernel's own, else it takes gate_up's. block_m is both kernels' (the plan's). triton_call: the
+    launcher, jax_triton.triton_call unless given (the tests give one that runs Triton's interpreter on the CPU)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
     num_pairs = num_tokens * top_k
     down_n, down_k, down_warps, down_stages = down or (block_n, block_k, num_warps, num_stages)
-    for dim, tile in ((inter, block_n), (hidden, block_k), (hidden, down_n), (inter, down_k)):
-        if dim % tile:
-            raise ValueError(f"moe_triton: dimension {dim} is not a multiple of its tile {tile}")
-    import jax_triton  # here, not at the top: it refuses to import without a GPU, and the kernels above run on
-    # the CPU under TRITON_INTERPRET=1 (tests)
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"moe_triton: block_m {block_m} is not a power of two >= 16")
+    # each tile: the largest power of two up to the one asked that divides its dimension
+    block_n, block_k = moe_gemm._tile(inter, block_n), moe_gemm._tile(hidden, block_k)
+    down_n, down_k = moe_gemm._tile(hidden, down_n), moe_gemm._tile(inter, down_k)
+    if triton_call is None:
+        import jax_triton  # here, not at the top: it refuses to import without a GPU
 
+        triton_call = jax_triton.triton_call
     pair_of_row, row_of_pair, block_expert, num_blocks = moe_gemm.plan(ids, num_local, first_expert, block_m)
     num_blocks_max = block_expert.shape[0]
-    h = jax_triton.triton_call(
+    h = triton_call(
         x, pair_of_row, block_expert, num_blocks, w_gate, w_up, kernel=_gate_up_kernel,
         out_shape=jax.ShapeDtypeStruct((num_blocks_max * block_m, inter), x.dtype),
         grid=(num_blocks_max * (inter // block_n),), num_warps=num_warps, num_stages=num_stages,
         name="moe_triton_gate_up", NUM_PAIRS=num_pairs, TOP_K=top_k, HIDDEN=hidden, INTER=inter,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    out = jax_triton.triton_call(
+    out = triton_call(
         h, pair_of_row, block_expert, num_blocks, weights.reshape(-1).astype(x.dtype), w_down, kernel=_down_kernel,
         out_shape=jax.ShapeDtypeStruct((num_pairs, hidden), x.dtype),
         grid=(num_blocks_max * (hidden // down_n),), num_warps=down_warps, num_stages=down_stages,
