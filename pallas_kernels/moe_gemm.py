@@ -11,7 +11,9 @@ Many tokens (prefill): the (token, expert) pairs are sorted by expert and each e
   multiple of `block_m` rows, so every block of rows belongs to one expert (the layout of vLLM's fused_moe), then
   the same two GEMMs run one program per (row block, column block), and XLA scales each pair by its routing weight
   and sums a token's k pairs in float32.
-Both read only the experts that received tokens, where XLA's ragged_dot streams every expert's weights.
+Both read only the experts that received tokens, where XLA's ragged_dot streams every expert's weights. On a GPU
+with jax-triton, the sorted layout runs as the native Triton kernels of pallas_kernels/moe_triton.py instead (same
+plan, faster at every sorted size); the Pallas sorted kernels serve the CPU and GPUs without jax-triton.
 
 Pallas' Triton lowering (as pallas_kernels/gdn_decode.py): the same source runs on the CPU in interpret mode, so
 CI tests the kernel itself, not only its reference. Rounding follows the reference: float32 accumulation, each
@@ -41,12 +43,15 @@ def _tile(dim: int, preferred: int) -> int:
     return tile
 
 
-# At prefill sizes on a GPU the sorted layout runs as native Triton kernels (pallas_kernels/moe_triton.py), which
-# reached 1.5x this module's Pallas-Triton kernels on an H200 (266 vs 172 TFLOP/s at 4,096 tokens, 426 vs 286 at
-# 16,384; BENCH_H200.md); the Pallas ones stay for the CPU (interpret mode) and where jax-triton is missing.
-TRITON_MIN_PAIRS = 2049
-PALLAS_PREFILL_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, down=None)
-TRITON_PREFILL_TILES = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, down=(256, 64, 8, 3))
+# On a GPU the sorted layout runs as native Triton kernels (pallas_kernels/moe_triton.py), which beat this module's
+# Pallas-Triton kernels on an H200 at every sorted size: 13% at 128-256 tokens, 1.5x at 4,096 (266 vs 172 TFLOP/s)
+# and 16,384 (426 vs 286 TFLOP/s; BENCH_H200.md). The Pallas ones stay for the CPU (interpret mode, so CI runs the
+# engine's kernels) and where jax-triton is missing. Tiles by pairs (token x expert), from the same sweeps:
+# (max pairs, block_m, block_n, block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages)).
+TRITON_TILES = [(2048, 16, 128, 64, 4, 3, (256, 64, 8, 3)),  # memory-bound: a few rows per expert
+                (8192, 64, 128, 64, 4, 3, (128, 64, 4, 3)),
+                (None, 128, 128, 64, 8, 3, (256, 64, 8, 3))]  # compute-bound
+PALLAS_SORTED_MAX_PAIRS = 2048  # up to here 16-row blocks, above it 128 x 128 tiles on 8 warps
 
 
 def triton_available() -> bool:
@@ -56,30 +61,32 @@ def triton_available() -> bool:
 
 def default_tiles(num_tokens: int, num_pairs: int, native: bool = False) -> dict:
     """Layout and tiles by size, from the H200 sweeps of pallas_kernels/bench.py (BENCH_H200.md): the expert-major
-    kernels up to FEW_TOKENS tokens; sorted blocks of 16 rows while memory-bound (few rows per expert); at prefill
-    sizes, 128 x 128 tiles on 8 warps (compute-bound), run by the native Triton kernels when `native`."""
+    Pallas kernels up to FEW_TOKENS tokens; above, the sorted layout, as native Triton kernels when `native`."""
     if num_tokens <= FEW_TOKENS:
         return dict(few_tokens=True, triton=False, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4,
                     down=None)
-    if num_pairs < TRITON_MIN_PAIRS:
+    if native:
+        _, bm, bn, bk, warps, stages, down = next(t for t in TRITON_TILES if t[0] is None or num_pairs <= t[0])
+        return dict(few_tokens=False, triton=True, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                    num_stages=stages, down=down)
+    if num_pairs <= PALLAS_SORTED_MAX_PAIRS:
         return dict(few_tokens=False, triton=False, block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3,
                     down=None)
-    if native:
-        return dict(few_tokens=False, triton=True, **TRITON_PREFILL_TILES)
-    return dict(few_tokens=False, triton=False, **PALLAS_PREFILL_TILES)
+    return dict(few_tokens=False, triton=False, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                down=None)
 
 
 def resolve_tiles(num_tokens: int, num_pairs: int, native: bool = False, **given) -> dict:
     """default_tiles with the given (not None) values put in; forcing a layout (few_tokens, triton) takes that
-    layout's defaults. `native`: whether the native Triton kernels may run (triton_available())."""
-    tiles = default_tiles(num_tokens, num_pairs, native)
-    if given.get("few_tokens") is not None and given["few_tokens"] != tiles["few_tokens"]:
-        tiles = default_tiles(1, 1) if given["few_tokens"] else default_tiles(FEW_TOKENS + 1, TRITON_MIN_PAIRS, native)
-    if given.get("triton") is not None and given["triton"] != tiles["triton"]:
-        if given["triton"] and not native:
-            raise ValueError("moe_gemm: triton=True needs a GPU and jax-triton (the cuda extra)")
-        tiles = dict(tiles, few_tokens=False, triton=given["triton"],
-                     **(TRITON_PREFILL_TILES if given["triton"] else PALLAS_PREFILL_TILES))
+    layout's defaults at this size. `native`: whether the native Triton kernels may run (triton_available())."""
+    if given.get("triton") and not native:
+        raise ValueError("moe_gemm: triton=True needs a GPU and jax-triton (the cuda extra)")
+    tokens = num_tokens
+    if given.get("few_tokens") is not None:
+        tokens = 1 if given["few_tokens"] else max(num_tokens, FEW_TOKENS + 1)
+    if given.get("triton"):
+        tokens = max(num_tokens, FEW_TOKENS + 1)
+    tiles = default_tiles(tokens, num_pairs, native and given.get("triton") is not False)
     return tiles | {k: v for k, v in given.items() if v is not None}
 
 

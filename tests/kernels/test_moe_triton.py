@@ -97,16 +97,24 @@ def test_bad_block_m_is_refused(moe_triton):
         run(moe_triton, *inputs, block_m=24)
 
 
-@pytest.mark.parametrize("tokens,native,layout", [
-    (1, True, "few"), (moe_gemm.FEW_TOKENS, True, "few"),
-    (moe_gemm.FEW_TOKENS + 1, True, "pallas"),  # memory-bound sorted blocks of 16 rows
-    (4096, True, "triton"), (4096, False, "pallas"),  # prefill sizes: native Triton where it can run
+@pytest.mark.parametrize("tokens,native,layout,block_m", [
+    (1, True, "few", None), (moe_gemm.FEW_TOKENS, True, "few", None),
+    (moe_gemm.FEW_TOKENS + 1, True, "triton", 16),  # memory-bound: 16-row blocks
+    (1024, True, "triton", 64), (4096, True, "triton", 128),  # compute-bound: larger tiles
+    (moe_gemm.FEW_TOKENS + 1, False, "pallas", 16), (4096, False, "pallas", 128),  # no jax-triton, or the CPU
 ])
-def test_layout_by_size(tokens, native, layout):
+def test_layout_by_size(tokens, native, layout, block_m):
     tiles = moe_gemm.resolve_tiles(tokens, tokens * 8, native)
     assert ("few" if tiles["few_tokens"] else "triton" if tiles["triton"] else "pallas") == layout
-    if layout == "triton":
-        assert tiles == dict(few_tokens=False, triton=True, **moe_gemm.TRITON_PREFILL_TILES)
+    assert tiles["block_m"] == block_m
+
+
+def test_forced_layouts_take_their_own_defaults():
+    assert moe_gemm.resolve_tiles(4096, 4096 * 8, True, triton=False)["triton"] is False
+    few = moe_gemm.resolve_tiles(4096, 4096 * 8, True, few_tokens=True, block_n=32)
+    assert few["few_tokens"] and few["block_n"] == 32 and not few["triton"]
+    forced = moe_gemm.resolve_tiles(8, 64, True, triton=True)
+    assert forced["triton"] and not forced["few_tokens"] and forced["block_m"] == 16
 
 
 def test_native_triton_refused_where_it_cannot_run():
