@@ -8,15 +8,14 @@ Per chunk of C tokens (g: log decays, cum: their running sum in the chunk, beta:
     out = (exp(cum) Q) S + causal(Q K^T * exp(cum_i - cum_j)) v_new
     S = exp(cum_last) S + (exp(cum_last - cum) K)^T v_new
 
-Two launches. `_wy_kernel` (one program per row x key head x chunk, all independent) builds A and its inverse T for
-each value head reading that key head and writes T [C, C] per chunk and value head to HBM. `_scan_kernel` (one
-program per row x value head x block of value columns) walks the row's chunks in order with its [dk, block_v]
-float32 state in registers, recomputes the cheap per-token terms (norms, gates, decays) and does everything that
-needs the state. Why split: the inverse is the largest block of work per chunk and does not depend on the state, so
-it runs fully parallel once per (head, chunk) instead of inside the sequential loop of every value block (which
-would also redo it dv / block_v times). The price is T's round trip through HBM: C values per token and head,
-written once and read by each value block (64 x 2 B in bf16, a quarter of the float32 output's 512 B per token and
-head at dv = 128).
+Two launches. `_wy_kernel` (one program per row x value head x chunk, all independent) builds A and its inverse T
+and writes T [C, C] per chunk to HBM. `_scan_kernel` (one program per row x value head x block of value columns)
+walks the row's chunks in order with its [dk, block_v] float32 state in registers, recomputes the cheap per-token
+terms (norms, gates, decays) and does everything that needs the state. Why split: the inverse is the largest block of
+work per chunk and does not depend on the state, so it runs fully parallel once per (head, chunk) instead of inside
+the sequential loop of every value block (which would also redo it dv / block_v times). The price is T's round trip
+through HBM: C values per token and head, written once and read by each value block (64 x 2 B in bf16, a quarter of
+the float32 output's 512 B per token and head at dv = 128).
 
 The inverse: unit-lower-triangular, by block doubling on the whole [C, C] tile. With X_s the inverse of the
 block-diagonal part of I + A in blocks of s, and N_s the part of A in the blocks of 2s but not of s (the lower-left
@@ -108,26 +107,22 @@ def _unit_lower_inverse(strict: jax.Array, precision) -> jax.Array:
 
 def _wy_kernel(seq_lens_ref, k_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, t_ref, *, repeat: int, chunk: int,
                dtype, precision):
-    """One program: chunk `c` of row `r`, key head `kh`: T = (I + A)^-1 into t [B, nv, chunks * C, C] for each of
-    the `repeat` value heads that read this key head. They share the key load, its norm and K K^T (A's rows are
-    K K^T's scaled by beta), and their inverses, independent chains of small dots, interleave in one program.
+    """One program: chunk `c` of row `r`, value head `h`: T = (I + A)^-1 into t [B, nv, chunks * C, C].
     Chunks past the row's seq_len do nothing (their T is never read)."""
-    c, kh, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    c, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len = seq_lens_ref[r]
 
     @pl.when(c * chunk < seq_len)
     def _():
         tok = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         live = tok < seq_len
-        k = _load_normed(k_ref, r, tok, kh, live)  # [C, dk]
-        kk = _dot(k, k.T, dtype, precision)
+        k = _load_normed(k_ref, r, tok, h // repeat, live)  # [C, dk]
+        g, beta = _gates(a_ref, b_ref, a_log_ref, dt_bias_ref, r, h, tok, live)
+        decay = _decay(jnp.cumsum(g))
         row = jnp.arange(chunk, dtype=jnp.int32)[:, None]
         col = jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        for i in range(repeat):
-            h = kh * repeat + i
-            g, beta = _gates(a_ref, b_ref, a_log_ref, dt_bias_ref, r, h, tok, live)
-            system = jnp.where(row > col, beta[:, None] * kk * _decay(jnp.cumsum(g)), 0.0)
-            t_ref[r, h, pl.ds(c * chunk, chunk), :] = _unit_lower_inverse(system, precision).astype(t_ref.dtype)
+        system = jnp.where(row > col, _dot(k * beta[:, None], k.T, dtype, precision) * decay, 0.0)
+        t_ref[r, h, pl.ds(c * chunk, chunk), :] = _unit_lower_inverse(system, precision).astype(t_ref.dtype)
 
 
 def _scan_kernel(seq_lens_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, t_ref, state_in_ref, o_ref,
@@ -220,7 +215,7 @@ def wy_inverse(k: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bi
     return pl.pallas_call(
         functools.partial(_wy_kernel, **config),
         out_shape=jax.ShapeDtypeStruct((batch, num_values, num_chunks * chunk_size, chunk_size), dtype),
-        grid=(num_chunks, nk, batch),
+        grid=(num_chunks, num_values, batch),
         interpret=interpret,
         compiler_params=compiler_params,
         name="gdn_prefill_wy",
