@@ -3,7 +3,6 @@ runs the same kernel source, launched by a stand-in for jax_triton.triton_call, 
 routings (empty experts, one expert taking every token, experts held elsewhere, odd token counts, top_k 3). Float32
 only: the interpreter computes bf16 dots wrongly (triton 3.6). Also: which layout moe_gemm picks at which size."""
 
-import importlib
 import os
 
 import jax.numpy as jnp
@@ -31,19 +30,12 @@ def rel_err(x, y) -> float:
 
 @pytest.fixture(scope="module")
 def moe_triton():
-    """The module with its kernels decorated in interpreter mode (triton.jit reads TRITON_INTERPRET when it
-    decorates), then the variable restored for everything else."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import pallas_kernels.moe_triton as module
+    """The module, its kernels decorated in interpreter mode (tests/conftest.py sets TRITON_INTERPRET=1 before
+    anything imports triton)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from pallas_kernels import moe_triton as module
 
-        yield importlib.reload(module)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    return module
 
 
 def interpreted_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, **metaparams):
