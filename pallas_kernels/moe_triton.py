@@ -90,6 +90,116 @@ def _down_kernel(h_ptr, pair_of_row_ptr, block_expert_ptr, num_blocks_ptr, weigh
     tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], out, mask=live[:, None])
 
 
+@triton.jit
+def _few_pairs(ids_ptr, first_expert_ptr, NUM_TOKENS: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
+               ROWS: tl.constexpr):
+    """This program's expert (program_id 0 + first_expert): per token row of the tile, whether it chose the expert
+    and the flat pair index t * k + j of that choice (moe_gemm._pairs_of_expert, in Triton)."""
+    expert = tl.load(first_expert_ptr) + tl.program_id(0)
+    token = tl.arange(0, ROWS)
+    slot = tl.arange(0, TOP_K_POW2)
+    valid = (token[:, None] < NUM_TOKENS) & (slot[None, :] < TOP_K)
+    hit = (tl.load(ids_ptr + token[:, None] * TOP_K + slot[None, :], mask=valid, other=-1) == expert) & valid
+    routed = tl.max(hit.to(tl.int32), axis=1) > 0
+    pair = token * TOP_K + tl.sum(tl.where(hit, slot[None, :], 0), axis=1)
+    return routed, pair
+
+
+@triton.jit
+def _few_gate_up_kernel(first_expert_ptr, ids_ptr, x_ptr, w_gate_ptr, w_up_ptr, h_ptr, NUM_TOKENS: tl.constexpr,
+                        TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROWS: tl.constexpr, HIDDEN: tl.constexpr,
+                        INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (e, n), expert-major as moe_gemm._few_gate_up_kernel: every token through expert e's columns n,
+    the rows of tokens routed to e stored at their pairs' rows of h [T*k, I]; experts without pairs read nothing."""
+    routed, pair = _few_pairs(ids_ptr, first_expert_ptr, NUM_TOKENS, TOP_K, TOP_K_POW2, ROWS)
+    if tl.max(routed.to(tl.int32), axis=0) == 0:
+        return
+    expert = tl.program_id(0).to(tl.int64)
+    token = tl.minimum(tl.arange(0, ROWS), NUM_TOKENS - 1)  # padding rows repeat the last token
+    ks = tl.arange(0, BLOCK_K)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_ptrs = x_ptr + token[:, None] * HIDDEN + ks[None, :]
+    w_offsets = expert * (HIDDEN * INTER) + ks[:, None] * INTER + cols[None, :]
+    gate_ptrs = w_gate_ptr + w_offsets
+    up_ptrs = w_up_ptr + w_offsets
+    gate = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, HIDDEN // BLOCK_K):
+        x = tl.load(x_ptrs)
+        gate = tl.dot(x, tl.load(gate_ptrs), gate)
+        up = tl.dot(x, tl.load(up_ptrs), up)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * INTER
+        up_ptrs += BLOCK_K * INTER
+    dtype = h_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    gate = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    h = (gate * up.to(dtype).to(tl.float32)).to(dtype)
+    pair = tl.where(routed, pair, 0)
+    tl.store(h_ptr + pair[:, None] * INTER + cols[None, :], h, mask=routed[:, None])
+
+
+@triton.jit
+def _few_down_kernel(first_expert_ptr, ids_ptr, weights_ptr, h_ptr, w_down_ptr, out_ptr, NUM_TOKENS: tl.constexpr,
+                     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROWS: tl.constexpr, HIDDEN: tl.constexpr,
+                     INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (e, n): for the pairs routed to e, round(round(h row @ w_down[e]) * weight) at the pair's row of
+    out [T*k, H], columns block n."""
+    routed, pair = _few_pairs(ids_ptr, first_expert_ptr, NUM_TOKENS, TOP_K, TOP_K_POW2, ROWS)
+    if tl.max(routed.to(tl.int32), axis=0) == 0:
+        return
+    expert = tl.program_id(0).to(tl.int64)
+    pair = tl.where(routed, pair, 0)
+    ks = tl.arange(0, BLOCK_K)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ptrs = h_ptr + pair[:, None] * INTER + ks[None, :]
+    w_ptrs = w_down_ptr + expert * (INTER * HIDDEN) + ks[:, None] * HIDDEN + cols[None, :]
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, INTER // BLOCK_K):
+        acc = tl.dot(tl.load(h_ptrs, mask=routed[:, None], other=0.0), tl.load(w_ptrs), acc)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * HIDDEN
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + pair, mask=routed, other=0.0).to(tl.float32)
+    out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], out, mask=routed[:, None])
+
+
+def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                      w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 64, block_k: int = 64,
+                      num_warps: int = 4, num_stages: int = 4, triton_call=None) -> jax.Array:
+    """moe_gemm.few_token_experts (expert-major, no sort) as native Triton kernels; same contract and tiles."""
+    if triton_call is None:
+        import jax_triton  # here, not at the top: it refuses to import without a GPU
+
+        triton_call = jax_triton.triton_call
+    num_tokens, top_k = ids.shape
+    num_local, hidden, inter = w_gate.shape
+    num_pairs = num_tokens * top_k
+    sizes = dict(NUM_TOKENS=num_tokens, TOP_K=top_k, TOP_K_POW2=_next_pow2(top_k), ROWS=max(16, _next_pow2(num_tokens)),
+                 HIDDEN=hidden, INTER=inter)
+    first = jnp.asarray(first_expert, jnp.int32).reshape(1)
+    ids = ids.astype(jnp.int32)
+    bn, bk = moe_gemm._tile(inter, block_n), moe_gemm._tile(hidden, block_k)
+    h = triton_call(first, ids, x, w_gate, w_up, kernel=_few_gate_up_kernel,
+                    out_shape=jax.ShapeDtypeStruct((num_pairs, inter), x.dtype), grid=(num_local, inter // bn),
+                    num_warps=num_warps, num_stages=num_stages, name="moe_triton_few_gate_up", **sizes,
+                    BLOCK_N=bn, BLOCK_K=bk)
+    bn, bk = moe_gemm._tile(hidden, block_n), moe_gemm._tile(inter, block_k)
+    out = triton_call(first, ids, weights.reshape(-1).astype(x.dtype), h, w_down, kernel=_few_down_kernel,
+                      out_shape=jax.ShapeDtypeStruct((num_pairs, hidden), x.dtype), grid=(num_local, hidden // bn),
+                      num_warps=num_warps, num_stages=num_stages, name="moe_triton_few_down", **sizes,
+                      BLOCK_N=bn, BLOCK_K=bk)
+    # Rows of pairs routed to experts held elsewhere were never written.
+    expert = ids.reshape(-1) - first_expert
+    local = (expert >= 0) & (expert < num_local)
+    return jnp.where(local[:, None], out.astype(jnp.float32), 0.0).reshape(num_tokens, top_k, hidden).sum(axis=1)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_m: int = 128,
                    block_n: int = 128, block_k: int = 64, num_warps: int = 8, num_stages: int = 3,
