@@ -267,12 +267,6 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> li
                             num_stages=st, down=down)
                        for bm, bn, bk, w, st, down in (MOE_TRITON_CONFIGS if sweep else MOE_TRITON_SMALL_CONFIGS)]
     out = []
-    if native and tokens <= moe_gemm.FEW_TOKENS:  # the expert-major kernels in native Triton (moe_triton.py)
-        from pallas_kernels import moe_triton
-
-        for bn, bk, w, st in MOE_FEW_CONFIGS:
-            out.append(("triton moe (jax-triton), few-token", f"BN={bn} BK={bk} w={w} s={st}", functools.partial(
-                moe_triton.few_token_experts, block_n=bn, block_k=bk, num_warps=w, num_stages=st)))
     for given in candidates:
         t = moe_gemm.resolve_tiles(tokens, tokens * dims["top_k"], native, **given)
         impl = ("default: " if not given else "") + ("pallas moe_gemm, few-token" if t["few_tokens"] else
@@ -547,7 +541,6 @@ def main(argv: list[str] | None = None) -> int:
                         "(per kernel)")
     parser.add_argument("--defaults-only", action="store_true", help="gdn_prefill: the default configuration only "
                         "(and each launch alone)")
-    parser.add_argument("--moe-tokens", help="moe: comma-separated token counts instead of the full list")
     parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention"), help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -560,8 +553,6 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     if args.only in (None, "moe"):
         dims = MOE_SMALL if args.small else MOE_FULL
-        if args.moe_tokens:
-            dims = dict(dims, tokens=tuple(int(t) for t in args.moe_tokens.split(",")))
         print(f"moe_gemm: E={dims['experts']} H={dims['hidden']} I={dims['inter']} top_k={dims['top_k']}; "
               f"us/call = median of {dims['repeats']} x ({dims['chain']} calls chained in one program) / chain",
               flush=True)

@@ -65,25 +65,6 @@ def test_kernels_match_reference(moe_triton, seed, tokens, experts, hidden, inte
     assert rel_err(got, moe_gemm.reference(*inputs)) < 1e-5
 
 
-@pytest.mark.parametrize("seed,tokens,experts,hidden,inter,top_k,block", [
-    (0, 1, 16, 64, 32, 4, 16),   # one decode token: 12 of 16 experts empty, their programs return at once
-    (1, 7, 8, 64, 32, 2, 32),    # odd token count: tile of 16 rows, 9 padding
-    (3, 33, 4, 64, 48, 3, 32),   # 64-row tile; I 48: column tile falls back to 16; top_k 3 pads to 4 slots
-])
-def test_few_token_kernels_match_reference(moe_triton, seed, tokens, experts, hidden, inter, top_k, block):
-    inputs = make_inputs(seed, tokens, experts, hidden, inter, top_k)
-    got = moe_triton.few_token_experts(*inputs, triton_call=interpreted_call, block_n=block, block_k=block)
-    assert rel_err(got, moe_gemm.reference(*inputs)) < 1e-5
-
-
-def test_few_token_kernels_with_experts_held_elsewhere(moe_triton):
-    x, weights, ids, wg, wu, wd = make_inputs(5, 9, 8, 64, 32, 3)
-    halves = [moe_triton.few_token_experts(x, weights, ids, wg[s:s + 4], wu[s:s + 4], wd[s:s + 4], s, block_n=16,
-                                           block_k=16, triton_call=interpreted_call) for s in (0, 4)]
-    assert rel_err(halves[1], moe_gemm.reference(x, weights, ids, wg[4:], wu[4:], wd[4:], 4)) < 1e-5
-    assert rel_err(halves[0] + halves[1], moe_gemm.reference(x, weights, ids, wg, wu, wd)) < 1e-5
-
-
 def test_all_tokens_to_one_expert(moe_triton):
     x, weights, _, wg, wu, wd = make_inputs(4, 20, 8, 64, 32, 2)
     ids = jnp.tile(jnp.array([[5, 2]], jnp.int32), (20, 1))  # experts 5 and 2 get 20 rows each, six get none
