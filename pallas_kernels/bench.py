@@ -541,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(per kernel)")
     parser.add_argument("--defaults-only", action="store_true", help="gdn_prefill: the default configuration only "
                         "(and each launch alone)")
+    parser.add_argument("--moe-tokens", help="moe: comma-separated token counts instead of the full list")
     parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention"), help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -553,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = []
     if args.only in (None, "moe"):
         dims = MOE_SMALL if args.small else MOE_FULL
+        if args.moe_tokens:
+            dims = dict(dims, tokens=tuple(int(t) for t in args.moe_tokens.split(",")))
         print(f"moe_gemm: E={dims['experts']} H={dims['hidden']} I={dims['inter']} top_k={dims['top_k']}; "
               f"us/call = median of {dims['repeats']} x ({dims['chain']} calls chained in one program) / chain",
               flush=True)
