@@ -1,10 +1,12 @@
-"""MoE grouped GEMM at prefill sizes as native Triton kernels launched through jax-triton (`jax_triton.triton_call`),
-on the same sorted layout as pallas_kernels/moe_gemm.py (`moe_gemm.plan`: pairs sorted by expert, each expert's
-group padded to whole blocks of block_m rows). GPU only: `triton` and `jax_triton` come with the `cuda` extra and
-are imported when this module is, which only moe_gemm.routed_experts does, and only on a GPU.
+"""The MoE grouped GEMM's sorted layout (above moe_gemm.FEW_TOKENS tokens) as native Triton kernels launched through
+jax-triton (`jax_triton.triton_call`), on moe_gemm's plan (`moe_gemm.plan`: pairs sorted by expert, each expert's
+group padded to whole blocks of block_m rows). moe_gemm.routed_experts picks these on a GPU with jax-triton (the
+`cuda` extra); jax_triton is imported only when they launch, since it refuses to import without a GPU. On the CPU
+the tests run the same kernels under Triton's interpreter (tests/kernels/test_moe_triton.py).
 
-Why a second source for the sorted GEMMs: the Pallas-Triton kernel stops at ~280 TFLOP/s at 16k tokens, far
-under a Hopper GEMM. Here each kernel also does what XLA did around the Pallas one:
+Why a second source for the sorted GEMMs: the Pallas-Triton version of the same blocks ran 1.13-1.74x slower on
+an H200 (172 against 266 TFLOP/s at 4,096 tokens, 286 against 426 at 16,384; BENCH_H200.md). Besides Triton's own
+code for the dot loop, each kernel here does what XLA did around the Pallas pair:
   1. gate_up gathers each row's token from x itself (no [rows, H] copy of x in HBM), then SwiGLU as moe_gemm;
   2. down multiplies by the routing weight with the reference's bf16 roundings and stores each row at its pair's
      row of out [T*k, H] (no gather of the sorted rows back);
