@@ -24,6 +24,16 @@ from pallas_kernels import moe_gemm
 
 
 @triton.jit
+def _row_block(pair_of_row_ptr, block_expert_ptr, pid_m, NUM_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block pid_m of the plan: its expert, its rows, the pair each row holds and whether it holds one (padding
+    rows hold NUM_PAIRS)."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_of_row_ptr + rows)
+    return expert, rows, pair, pair < NUM_PAIRS
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, pair_of_row_ptr, block_expert_ptr, num_blocks_ptr, w_gate_ptr, w_up_ptr, h_ptr,
                     NUM_PAIRS: tl.constexpr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -34,10 +44,7 @@ def _gate_up_kernel(x_ptr, pair_of_row_ptr, block_expert_ptr, num_blocks_ptr, w_
     pid_n = pid % (INTER // BLOCK_N)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_of_row_ptr + rows)
-    live = pair < NUM_PAIRS
+    expert, rows, pair, live = _row_block(pair_of_row_ptr, block_expert_ptr, pid_m, NUM_PAIRS, BLOCK_M)
     token = tl.where(live, pair // TOP_K, 0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,10 +79,7 @@ def _down_kernel(h_ptr, pair_of_row_ptr, block_expert_ptr, num_blocks_ptr, weigh
     pid_n = pid % (HIDDEN // BLOCK_N)
     if pid_m >= tl.load(num_blocks_ptr):
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_of_row_ptr + rows)
-    live = pair < NUM_PAIRS
+    expert, rows, pair, live = _row_block(pair_of_row_ptr, block_expert_ptr, pid_m, NUM_PAIRS, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * INTER + ks[None, :]
