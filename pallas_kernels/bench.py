@@ -430,8 +430,8 @@ GP_FULL = dict(nk=16, nv=32, dk=128, dv=128, cases=((1, 4096, False), (8, 1024, 
                                                   (64, 1024, True)), repeats=10, inner=3)  # Qwen3.5-35B-A3B
 GP_SMALL = dict(nk=2, nv=4, dk=16, dv=32, cases=((1, 80, False), (3, 40, True)), repeats=2, inner=1)
 # (chunk_size, block_v, num_warps, num_stages); None: gdn_prefill's default (chunk 32, block_v 64, 4 warps, 2 stages)
-GP_CONFIGS = [(None,) * 4, (64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 1), (32, 32, 4, 2), (32, 128, 8, 2),
-              (16, 64, 4, 2)]
+GP_CONFIGS = [(None,) * 4, (64, 64, 4, 2), (64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2),
+              (64, 64, 8, 2), (64, 32, 4, 3), (32, 64, 4, 3), (16, 32, 4, 2)]
 GP_SMALL_CONFIGS = [(None,) * 4, (16, 16, 4, 2)]
 GP_DEFAULT_CHUNK = inspect.signature(gdn_prefill.gdn_prefill).parameters["chunk_size"].default
 # bf16 dot operands (and T) against the float32 reference: ~5e-3 at these shapes on CPU; a bug gives order 1
@@ -457,7 +457,8 @@ def gdn_prefill_cost(seq_lens: np.ndarray, seq: int, dims: dict, chunk: int = 64
     K_beta K^T, w = T K', Q K^T (C^2 dk MACs each), u = T V_beta, P v_new (C^2 dv), w S, Q S, K^T v_new (C dk dv),
     plus the inverse by block doubling (2 (log2 C - 1) C^3 MACs): 2 (3 C^2 dk + 2 C^2 dv + 3 C dk dv)
     + 4 (log2 C - 1) C^3, not counting what the kernel repeats per value block. Bytes: bf16 q, k, v, a, b of
-    every token (padding included), float32 out, float32 state read and written; T's round trip not counted."""
+    every token (padding included), float32 out, float32 state read and written; the intermediates between
+    the kernel's launches not counted."""
     nk, nv, dk, dv = dims["nk"], dims["nv"], dims["dk"], dims["dv"]
     live_chunks = int(np.sum(-(-seq_lens // chunk)))
     per_chunk = 2 * (3 * chunk ** 2 * dk + 2 * chunk ** 2 * dv + 3 * chunk * dk * dv) \
@@ -519,19 +520,23 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
 
 
 def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
-    """Microseconds of each of gdn_prefill's two launches alone, at its default configuration."""
+    """Microseconds of each of gdn_prefill's three launches alone, at its default configuration."""
     q, k, v, a, b, A_log, dt_bias, state, seq_lens = args
     defaults = {name: p.default for name, p in inspect.signature(gdn_prefill.gdn_prefill).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     config = dict(chunk_size=defaults["chunk_size"], num_warps=defaults["num_warps"],
                   num_stages=defaults["num_stages"], interpret=interpret)
-    wy = jax.jit(functools.partial(gdn_prefill.wy_inverse, num_values=dims["nv"], dtype=q.dtype, **config))
-    t = wy(k, a, b, A_log, dt_bias, seq_lens)
-    scan = jax.jit(functools.partial(gdn_prefill.chunked_scan, block_v=defaults["block_v"] or min(64, dims["dv"]),
-                                     **config))
-    return {"gdn_prefill_wy": time_call(wy, (k, a, b, A_log, dt_bias, seq_lens), dims["repeats"], dims["inner"]),
-            "gdn_prefill_scan": time_call(scan, (q, k, v, a, b, A_log, dt_bias, t, state, seq_lens),
-                                          dims["repeats"], dims["inner"])}
+    seq_lens = jnp.minimum(seq_lens, q.shape[1])
+    prepare = jax.jit(functools.partial(gdn_prefill.prepare_chunks, dtype=q.dtype, **config))
+    w, u, k_end, cum = prepare(k, v, a, b, A_log, dt_bias, seq_lens)
+    states = jax.jit(functools.partial(gdn_prefill.chunk_states, block_v=defaults["block_v"] or min(64, dims["dv"]),
+                                       **config))
+    v_new, chunk_states, _ = states(w, u, k_end, cum, state, seq_lens)
+    output = jax.jit(functools.partial(gdn_prefill.chunk_outputs, **config))
+    timed = lambda fn, *inputs: time_call(fn, inputs, dims["repeats"], dims["inner"])
+    return {"gdn_prefill_prepare": timed(prepare, k, v, a, b, A_log, dt_bias, seq_lens),
+            "gdn_prefill_states": timed(states, w, u, k_end, cum, state, seq_lens),
+            "gdn_prefill_output": timed(output, q, k, cum, v_new, chunk_states, seq_lens)}
 
 
 def main(argv: list[str] | None = None) -> int:

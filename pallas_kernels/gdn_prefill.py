@@ -1,5 +1,5 @@
-"""Gated DeltaNet prefill (the chunked WY-form delta rule of flash-linear-attention's `chunk_gated_delta_rule`) as two
-Pallas kernels, with its plain-jnp `reference` beside it. Only the recurrence: it must never take over the
+"""Gated DeltaNet prefill (the chunked WY-form delta rule of flash-linear-attention's `chunk_gated_delta_rule`) as
+three Pallas kernels, with its plain-jnp `reference` beside it. Only the recurrence: it must never take over the
 projections, conv, gated norm or state slots of the layer, and never read a token past a row's seq_len.
 
 Per chunk of C tokens (g: log decays, cum: their running sum in the chunk, beta: write strengths, K L2-normed):
@@ -8,14 +8,20 @@ Per chunk of C tokens (g: log decays, cum: their running sum in the chunk, beta:
     out = (exp(cum) Q) S + causal(Q K^T * exp(cum_i - cum_j)) v_new
     S = exp(cum_last) S + (exp(cum_last - cum) K)^T v_new
 
-Two launches. `_wy_kernel` (one program per row x value head x chunk, all independent) builds A and its inverse T
-and writes T [C, C] per chunk to HBM. `_scan_kernel` (one program per row x value head x block of value columns)
-walks the row's chunks in order with its [dk, block_v] float32 state in registers, recomputes the cheap per-token
-terms (norms, gates, decays) and does everything that needs the state. Why split: the inverse is the largest block of
-work per chunk and does not depend on the state, so it runs fully parallel once per (head, chunk) instead of inside
-the sequential loop of every value block (which would also redo it dv / block_v times). The price is T's round trip
-through HBM: C values per token and head, written once and read by each value block (64 x 2 B in bf16, a quarter of
-the float32 output's 512 B per token and head at dv = 128).
+Three launches, fla's split: only the recurrence itself runs in order, everything else runs once per chunk in
+parallel.
+1. `_prepare_kernel` (one program per chunk x value head x row): gates, norms, T, and what the recurrence needs
+   from the chunk: w, u, the keys decayed to the chunk's end (k_end) and cum, to HBM.
+2. `_states_kernel` (one program per row x value head x block of value columns): the row's chunks in order with its
+   [dk, block_v] float32 state in registers; per chunk two dots (v_new = u - w S, then S's update), storing the
+   state it started from and v_new.
+3. `_output_kernel` (one program per chunk x value head x row): the chunk's outputs from its starting state and
+   v_new.
+Why: the chunk loop is the only part that cannot run in parallel, and on one long prompt it is all there is to wait
+for (one program per value block and head: 64 at 35B-A3B shapes, 128 chunks of 32 at 4,096 tokens). Keeping the
+inverse, the norms, the gates and the outputs out of it leaves it two dependent dots a chunk instead of seven. The
+price is HBM traffic: w, u, k_end, v_new (C x d each) and one state per chunk (dk x dv) written and read back in the
+dot operands' dtype.
 
 The inverse: unit-lower-triangular, by block doubling on the whole [C, C] tile. With X_s the inverse of the
 block-diagonal part of I + A in blocks of s, and N_s the part of A in the blocks of 2s but not of s (the lower-left
@@ -26,11 +32,14 @@ every intermediate is a block of the true inverse or M21 M11^-1 (|A| <= 1 becaus
 decays <= 1), so nothing grows beyond the answer itself, unlike a product of (I + L^(2^i)) factors whose powers of
 L can reach binomial(C, C/2) before cancelling. Its rounding error is that of one matrix product per level.
 
-Numerics: float32 state, gates, decays and accumulation. Dot operands are in the model's dtype (q's): float32 inputs
-use float32 operands at HIGHEST precision everywhere (IEEE on GPU; within ~3e-7 of `reference` on CPU); bf16
-inputs use bf16 operands for every dot except the inverse, which takes float32 operands at default precision (TF32
-on GPU, float32 in interpret mode), and store T in bf16, as fla does (~5e-3 relative on CPU at dk = dv = 128,
-within bf16 limits). Padding tokens (past seq_len) are never read; their outputs are exactly 0.
+Numerics: float32 state, gates, decays and accumulation. Dot operands are in the model's dtype (q's), and so are the
+intermediates stored between launches (w, u, k_end, v_new, the chunk states): float32 inputs use float32 everywhere,
+with dots at HIGHEST precision (IEEE on GPU; within ~3e-7 of `reference` on CPU); bf16 inputs use bf16 operands for
+every dot except the inverse, which takes float32 operands at default precision (TF32 on GPU, float32 in interpret
+mode). Storing w, k_end, v_new and the states in bf16 rounds nothing the dots would not round anyway; u is the one
+extra rounding (fla stores it in bf16 too): ~5e-3 relative on CPU at dk = dv = 128, within bf16 limits. Padding
+tokens (past seq_len) are never read; their outputs are exactly 0, and their rows of w, u and k_end are 0 (beta and
+k are 0 there), so they never touch a state.
 
 Pallas' Triton lowering (as pallas_kernels/gdn_decode.py and paged_attention.py): whole-array refs indexed in the
 kernel, masked loads and stores, power-of-two tiles of at least 16 for the dots; on the CPU the same source runs in
@@ -105,10 +114,11 @@ def _unit_lower_inverse(strict: jax.Array, precision) -> jax.Array:
     return inverse
 
 
-def _wy_kernel(seq_lens_ref, k_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, t_ref, *, repeat: int, chunk: int,
-               dtype, precision):
-    """One program: chunk `c` of row `r`, value head `h`: T = (I + A)^-1 into t [B, nv, chunks * C, C].
-    Chunks past the row's seq_len do nothing (their T is never read)."""
+def _prepare_kernel(seq_lens_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, w_ref, u_ref, k_end_ref,
+                    cum_ref, *, repeat: int, chunk: int, dtype, precision):
+    """One program: chunk `c` of row `r`, value head `h` -> its rows of w, k_end [B, nv, chunks * C, dk], u
+    [B, nv, chunks * C, dv] (in `dtype`) and cum [B, nv, chunks * C] (float32). Chunks past the row's seq_len do
+    nothing (nothing reads them)."""
     c, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len = seq_lens_ref[r]
 
@@ -117,57 +127,69 @@ def _wy_kernel(seq_lens_ref, k_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, t_ref,
         tok = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         live = tok < seq_len
         k = _load_normed(k_ref, r, tok, h // repeat, live)  # [C, dk]
-        g, beta = _gates(a_ref, b_ref, a_log_ref, dt_bias_ref, r, h, tok, live)
-        decay = _decay(jnp.cumsum(g))
-        row = jnp.arange(chunk, dtype=jnp.int32)[:, None]
-        col = jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        system = jnp.where(row > col, _dot(k * beta[:, None], k.T, dtype, precision) * decay, 0.0)
-        t_ref[r, h, pl.ds(c * chunk, chunk), :] = _unit_lower_inverse(system, precision).astype(t_ref.dtype)
-
-
-def _scan_kernel(seq_lens_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, t_ref, state_in_ref, o_ref,
-                 state_ref, *, repeat: int, chunk: int, block_v: int, dtype, precision):
-    """One program: row `r`, value head `h`, value columns [j * block_v, +block_v): the row's chunks in order, the
-    [dk, block_v] float32 state carried in registers; then zeros into the outputs of the padding chunks."""
-    del state_in_ref  # aliased to state_ref (input_output_aliases): same buffer
-    j, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    seq_len, seq = seq_lens_ref[r], q_ref.shape[1]
-    dk = q_ref.shape[-1]
-    cols = j * block_v + jnp.arange(block_v, dtype=jnp.int32)
-    index = jnp.arange(chunk, dtype=jnp.int32)
-    num_live = jax.lax.div(seq_len + chunk - 1, chunk)
-
-    def out_at(tok):
-        return o_ref.at[r, tok[:, None], h, cols[None, :]]
-
-    def step(c, s):  # s: [dk, block_v] float32, the state before chunk c
-        tok = c * chunk + index
-        live = tok < seq_len
-        q = _load_normed(q_ref, r, tok, h // repeat, live) * dk ** -0.5  # [C, dk]
-        k = _load_normed(k_ref, r, tok, h // repeat, live)
-        v = pltriton.load(v_ref.at[r, tok[:, None], h, cols[None, :]], mask=live[:, None], other=0.0)  # [C, block_v]
+        lanes = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]
+        v = pltriton.load(v_ref.at[r, tok[:, None], h, lanes], mask=live[:, None], other=0.0).astype(F32)  # [C, dv]
         g, beta = _gates(a_ref, b_ref, a_log_ref, dt_bias_ref, r, h, tok, live)
         cum = jnp.cumsum(g)
-        last = jnp.sum(jnp.where(index == chunk - 1, cum, 0.0))  # cum[-1]
-        t = t_ref[r, h, pl.ds(c * chunk, chunk), :]  # [C, C]
-        w = _dot(t, k * (beta * jnp.exp(cum))[:, None], dtype, precision)  # [C, dk]
-        u = _dot(t, v.astype(F32) * beta[:, None], dtype, precision)  # [C, block_v]
-        v_new = u - _dot(w, s, dtype, precision)
+        last = jnp.sum(jnp.where(jnp.arange(chunk) == chunk - 1, cum, 0.0))  # cum[-1]
+        row = jnp.arange(chunk, dtype=jnp.int32)[:, None]
+        col = jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        system = jnp.where(row > col, _dot(k * beta[:, None], k.T, dtype, precision) * _decay(cum), 0.0)
+        t = _unit_lower_inverse(system, precision)
+        rows = pl.ds(c * chunk, chunk)
+        w_ref[r, h, rows, :] = _dot(t, k * (beta * jnp.exp(cum))[:, None], dtype, precision).astype(w_ref.dtype)
+        u_ref[r, h, rows, :] = _dot(t, v * beta[:, None], dtype, precision).astype(u_ref.dtype)
+        k_end_ref[r, h, rows, :] = (k * jnp.exp(last - cum)[:, None]).astype(k_end_ref.dtype)
+        cum_ref[r, h, rows] = cum
+
+
+def _states_kernel(seq_lens_ref, w_ref, u_ref, k_end_ref, cum_ref, state_in_ref, v_new_ref, states_ref, state_ref, *,
+                   chunk: int, block_v: int, dtype, precision):
+    """One program: row `r`, value head `h`, value columns [j * block_v, +block_v): the row's live chunks in order,
+    the [dk, block_v] float32 state carried in registers. Stores each chunk's starting state into states
+    [B, nv, chunks * dk, dv] and its v_new into [B, nv, chunks * C, dv] (both in `dtype`), the final state in place."""
+    del state_in_ref  # aliased to state_ref (input_output_aliases): same buffer
+    j, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dk = w_ref.shape[-1]
+    cols = pl.ds(j * block_v, block_v)
+
+    def step(c, s):  # s: [dk, block_v] float32, the state before chunk c
+        rows = pl.ds(c * chunk, chunk)
+        states_ref[r, h, pl.ds(c * dk, dk), cols] = s.astype(states_ref.dtype)
+        v_new = u_ref[r, h, rows, cols].astype(F32) - _dot(w_ref[r, h, rows, :], s, dtype, precision)
+        v_new_ref[r, h, rows, cols] = v_new.astype(v_new_ref.dtype)
+        decay_all = jnp.exp(cum_ref[r, h, c * chunk + chunk - 1])
+        return s * decay_all + _dot(k_end_ref[r, h, rows, :].T, v_new, dtype, precision)
+
+    num_live = jax.lax.div(seq_lens_ref[r] + chunk - 1, chunk)
+    state_ref[r, h, :, cols] = jax.lax.fori_loop(0, num_live, step, state_ref[r, h, :, cols])
+
+
+def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o_ref, *, repeat: int, chunk: int,
+                   dtype, precision):
+    """One program: chunk `c` of row `r`, value head `h` -> its outputs [C, dv] (zeros past the row's seq_len)."""
+    c, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq_len, seq = seq_lens_ref[r], q_ref.shape[1]
+    dk, dv = q_ref.shape[-1], o_ref.shape[-1]
+    tok = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    live = tok < seq_len
+    out_at = o_ref.at[r, tok[:, None], h, jnp.arange(dv, dtype=jnp.int32)[None, :]]
+    in_bounds = (tok < seq)[:, None]
+
+    @pl.when(c * chunk < seq_len)
+    def _():
+        q = _load_normed(q_ref, r, tok, h // repeat, live) * dk ** -0.5  # [C, dk]
+        k = _load_normed(k_ref, r, tok, h // repeat, live)
+        rows = pl.ds(c * chunk, chunk)
+        cum = cum_ref[r, h, rows]
         attention = _dot(q, k.T, dtype, precision) * _decay(cum)  # causal: _decay is 0 above the diagonal
-        out = _dot(q * jnp.exp(cum)[:, None], s, dtype, precision) + _dot(attention, v_new, dtype, precision)
-        pltriton.store(out_at(tok), jnp.where(live[:, None], out, 0.0), mask=(tok < seq)[:, None])
-        k_to_end = k * jnp.exp(last - cum)[:, None]  # each key decayed to the end of the chunk
-        return s * jnp.exp(last) + _dot(k_to_end.T, v_new, dtype, precision)
+        out = _dot(q * jnp.exp(cum)[:, None], states_ref[r, h, pl.ds(c * dk, dk), :], dtype, precision) \
+            + _dot(attention, v_new_ref[r, h, rows, :], dtype, precision)
+        pltriton.store(out_at, jnp.where(live[:, None], out, 0.0), mask=in_bounds)
 
-    s = jax.lax.fori_loop(0, num_live, step, state_ref[r, h, :, pl.ds(j * block_v, block_v)])
-    state_ref[r, h, :, pl.ds(j * block_v, block_v)] = s
-
-    def zero_fill(c, carry):
-        tok = c * chunk + index
-        pltriton.store(out_at(tok), jnp.zeros((chunk, block_v), F32), mask=(tok < seq)[:, None])
-        return carry
-
-    jax.lax.fori_loop(num_live, jax.lax.div(seq + chunk - 1, chunk), zero_fill, 0)
+    @pl.when(c * chunk >= seq_len)
+    def _():
+        pltriton.store(out_at, jnp.zeros((chunk, dv), F32), mask=in_bounds)
 
 
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
@@ -176,69 +198,77 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.A
                 ) -> tuple[jax.Array, jax.Array]:
     """Same contract as `reference`; outputs at padding tokens are exactly 0. The state is updated in place (donate
     it in the caller's jit to avoid a copy). Cost follows each row's seq_len: chunks past it are skipped.
-    chunk_size, dk and block_v: powers of two, at least 16 (Triton's smallest dot; interpreted, only chunk_size);
-    num_warps and num_stages apply to both launches; block_v None: min(64, dv). The defaults (chunk 32, 64 value
-    columns, 4 warps, 2 stages) were the fastest of pallas_kernels/bench.py on an H200 at 35B-A3B shapes for every
-    case (1 x 4,096, 8 / 64 x 1,024, ragged): chunks of 32 halve the [C, C] work of the inverse and of the
-    intra-chunk attention, which outweighs their twice as many sequential steps. interpret=None interprets on CPU
-    only."""
+    chunk_size, dk, dv and block_v (the value columns of one recurrence program): powers of two, at least 16
+    (Triton's smallest dot; interpreted, only chunk_size); num_warps and num_stages apply to the three launches;
+    block_v None: min(64, dv). interpret=None interprets on CPU only."""
     batch, seq, nk, dk = q.shape
     nv, dv = v.shape[2:]
     block_v = block_v or min(64, dv)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    tiles = (chunk_size, dk, block_v) if not interpret else (chunk_size,)  # Triton's dots need >= 16
+    tiles = (chunk_size, dk, dv, block_v) if not interpret else (chunk_size,)  # Triton's dots need >= 16
     if nv % nk or dv % block_v or k.shape != q.shape or v.shape[:2] != (batch, seq) \
             or state.shape != (batch, nv, dk, dv) or state.dtype != F32 \
             or any(n < 16 or n & (n - 1) for n in tiles):
         raise ValueError(f"gdn_prefill: q {q.shape}, v {v.shape}, state {state.shape} {state.dtype}, "
                          f"chunk_size {chunk_size}, block_v {block_v}")
     config = dict(chunk_size=chunk_size, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    t = wy_inverse(k, a, b, A_log, dt_bias, seq_lens, num_values=nv, dtype=q.dtype, **config)
-    return chunked_scan(q, k, v, a, b, A_log, dt_bias, t, state, seq_lens, block_v=block_v, **config)
+    seq_lens = jnp.minimum(seq_lens.astype(jnp.int32), seq)
+    w, u, k_end, cum = prepare_chunks(k, v, a, b, A_log, dt_bias, seq_lens, dtype=q.dtype, **config)
+    v_new, states, state = chunk_states(w, u, k_end, cum, state, seq_lens, block_v=block_v, **config)
+    return chunk_outputs(q, k, cum, v_new, states, seq_lens, **config), state
 
 
-def _launch_config(chunk_size: int, num_warps: int, num_stages: int, interpret: bool, dtype, num_kv: int,
-                   num_values: int) -> tuple[dict, object]:
-    compiler_params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+def _launch(kernel, grid: tuple, out_shape, name: str, *, chunk_size: int, num_warps: int, num_stages: int,
+            interpret: bool, dtype, aliases: dict | None = None, **static):
+    """pallas_call of kernel(**static, chunk=, dtype=, precision=) over `grid`: float32 operands get IEEE dots."""
     precision = jax.lax.Precision.HIGHEST if dtype == F32 else None  # float32: IEEE dots on GPU, not TF32
-    return dict(repeat=num_values // num_kv, chunk=chunk_size, dtype=dtype, precision=precision), compiler_params
-
-
-def wy_inverse(k: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bias: jax.Array, seq_lens: jax.Array,
-               *, num_values: int, dtype, chunk_size: int, num_warps: int, num_stages: int, interpret: bool
-               ) -> jax.Array:
-    """First launch: T = (I + A)^-1 of every live chunk, [B, nv, chunks * C, C] in `dtype` (the dot operands')."""
-    batch, seq, nk, _ = k.shape
-    config, compiler_params = _launch_config(chunk_size, num_warps, num_stages, interpret, dtype, nk, num_values)
-    num_chunks = -(-seq // chunk_size)
     return pl.pallas_call(
-        functools.partial(_wy_kernel, **config),
-        out_shape=jax.ShapeDtypeStruct((batch, num_values, num_chunks * chunk_size, chunk_size), dtype),
-        grid=(num_chunks, num_values, batch),
+        functools.partial(kernel, **static, chunk=chunk_size, dtype=dtype, precision=precision),
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=aliases or {},
         interpret=interpret,
-        compiler_params=compiler_params,
-        name="gdn_prefill_wy",
-    )(jnp.minimum(seq_lens.astype(jnp.int32), seq), k, a, b, A_log, dt_bias)
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=name,
+    )
 
 
-def chunked_scan(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
-                 dt_bias: jax.Array, t: jax.Array, state: jax.Array, seq_lens: jax.Array, *, block_v: int,
-                 chunk_size: int, num_warps: int, num_stages: int, interpret: bool
-                 ) -> tuple[jax.Array, jax.Array]:
-    """Second launch: each row's chunks in order given `wy_inverse`'s T; returns (out, final state)."""
-    batch, seq, nk, _ = q.shape
+def prepare_chunks(k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bias: jax.Array,
+                   seq_lens: jax.Array, *, dtype, **config) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Launch 1 (seq_lens already clamped to the width): (w, u, k_end, cum) of every live chunk, rows of
+    [B, nv, chunks * C, ...]."""
+    batch, seq, nk, dk = k.shape
     nv, dv = v.shape[2:]
-    config, compiler_params = _launch_config(chunk_size, num_warps, num_stages, interpret, q.dtype, nk, nv)
-    return pl.pallas_call(
-        functools.partial(_scan_kernel, **config, block_v=block_v),
-        out_shape=(jax.ShapeDtypeStruct((batch, seq, nv, dv), F32), jax.ShapeDtypeStruct(state.shape, F32)),
-        grid=(dv // block_v, nv, batch),
-        input_output_aliases={9: 1},
-        interpret=interpret,
-        compiler_params=compiler_params,
-        name="gdn_prefill_scan",
-    )(jnp.minimum(seq_lens.astype(jnp.int32), seq), q, k, v, a, b, A_log, dt_bias, t, state)
+    padded = -(-seq // config["chunk_size"]) * config["chunk_size"]
+    rows_of = lambda width: jax.ShapeDtypeStruct((batch, nv, padded, width), dtype)
+    out_shape = (rows_of(dk), rows_of(dv), rows_of(dk), jax.ShapeDtypeStruct((batch, nv, padded), F32))
+    grid = (padded // config["chunk_size"], nv, batch)
+    return _launch(_prepare_kernel, grid, out_shape, "gdn_prefill_prepare", repeat=nv // nk, dtype=dtype,
+                   **config)(seq_lens, k, v, a, b, A_log, dt_bias)
+
+
+def chunk_states(w: jax.Array, u: jax.Array, k_end: jax.Array, cum: jax.Array, state: jax.Array, seq_lens: jax.Array,
+                 *, block_v: int, **config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Launch 2: the recurrence over each row's chunks -> (v_new, the chunk states [B, nv, chunks * dk, dv], the
+    final state in place of `state`)."""
+    batch, nv, padded, dk = w.shape
+    dv = u.shape[-1]
+    out_shape = (jax.ShapeDtypeStruct(u.shape, u.dtype),
+                 jax.ShapeDtypeStruct((batch, nv, padded // config["chunk_size"] * dk, dv), u.dtype),
+                 jax.ShapeDtypeStruct(state.shape, F32))
+    return _launch(_states_kernel, (dv // block_v, nv, batch), out_shape, "gdn_prefill_states", aliases={5: 2},
+                   block_v=block_v, dtype=u.dtype, **config)(seq_lens, w, u, k_end, cum, state)
+
+
+def chunk_outputs(q: jax.Array, k: jax.Array, cum: jax.Array, v_new: jax.Array, states: jax.Array,
+                  seq_lens: jax.Array, **config) -> jax.Array:
+    """Launch 3: every chunk's outputs [B, S, nv, dv] float32 (exactly 0 past each row's seq_len)."""
+    batch, seq, nk, _ = q.shape
+    _, nv, padded, dv = v_new.shape
+    return _launch(_output_kernel, (padded // config["chunk_size"], nv, batch),
+                   jax.ShapeDtypeStruct((batch, seq, nv, dv), F32), "gdn_prefill_output", repeat=nv // nk,
+                   dtype=q.dtype, **config)(seq_lens, q, k, cum, v_new, states)
 
 
 def select(kernels: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
