@@ -153,22 +153,16 @@ def _states_kernel(seq_lens_ref, w_ref, u_ref, k_end_ref, cum_ref, state_in_ref,
     dk = w_ref.shape[-1]
     cols = pl.ds(j * block_v, block_v)
 
-    def load_chunk(c):  # what chunk c reads besides the state: none of it depends on the state
+    def step(c, s):  # s: [dk, block_v] float32, the state before chunk c
         rows = pl.ds(c * chunk, chunk)
-        last = cum_ref[r, h, c * chunk + chunk - 1]
-        return w_ref[r, h, rows, :], u_ref[r, h, rows, cols], k_end_ref[r, h, rows, :], last
-
-    def step(c, carry):  # s: [dk, block_v] float32, the state before chunk c; the chunk's inputs, loaded one step early
-        s, (w, u, k_end, last) = carry
-        ahead = load_chunk(jnp.minimum(c + 1, num_live - 1))  # in flight while this chunk's dots run
         states_ref[r, h, pl.ds(c * dk, dk), cols] = s.astype(states_ref.dtype)
-        v_new = u.astype(F32) - _dot(w, s, dtype, precision)
-        v_new_ref[r, h, pl.ds(c * chunk, chunk), cols] = v_new.astype(v_new_ref.dtype)
-        return s * jnp.exp(last) + _dot(k_end.T, v_new, dtype, precision), ahead
+        v_new = u_ref[r, h, rows, cols].astype(F32) - _dot(w_ref[r, h, rows, :], s, dtype, precision)
+        v_new_ref[r, h, rows, cols] = v_new.astype(v_new_ref.dtype)
+        decay_all = jnp.exp(cum_ref[r, h, c * chunk + chunk - 1])
+        return s * decay_all + _dot(k_end_ref[r, h, rows, :].T, v_new, dtype, precision)
 
     num_live = jax.lax.div(seq_lens_ref[r] + chunk - 1, chunk)
-    carry = (state_ref[r, h, :, cols], load_chunk(0))  # chunk 0 of a row without tokens: read, never used
-    state_ref[r, h, :, cols] = jax.lax.fori_loop(0, num_live, step, carry)[0]
+    state_ref[r, h, :, cols] = jax.lax.fori_loop(0, num_live, step, state_ref[r, h, :, cols])
 
 
 def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o_ref, *, repeat: int, chunk: int,
@@ -198,34 +192,18 @@ def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o
         pltriton.store(out_at, jnp.zeros((chunk, dv), F32), mask=in_bounds)
 
 
-TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
-
-
-def default_tiles(batch: int, num_values: int, dv: int) -> dict:
-    """(chunk_size, block_v, num_stages) by how many recurrence programs the batch gives, from pallas_kernels/bench.py
-    on an H200 at 35B-A3B shapes: with fewer than TARGET_PROGRAMS at 64 value columns each (one prompt of any
-    length: 64 programs), the chunk loop is the whole wait, so halve its steps (chunks of 64) and split the values
-    finer (32 columns); with more, chunks of 32 and 64 columns, whose smaller [C, C] work and fewer reads of w and
-    k_end win."""
-    if batch * num_values * max(dv // 64, 1) < TARGET_PROGRAMS:
-        return dict(chunk_size=64, block_v=min(32, dv), num_stages=3)
-    return dict(chunk_size=32, block_v=min(64, dv), num_stages=2)
-
-
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
-                dt_bias: jax.Array, state: jax.Array, seq_lens: jax.Array, *, chunk_size: int | None = None,
-                block_v: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                dt_bias: jax.Array, state: jax.Array, seq_lens: jax.Array, *, chunk_size: int = 32,
+                block_v: int | None = None, num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """Same contract as `reference`; outputs at padding tokens are exactly 0. The state is updated in place (donate
     it in the caller's jit to avoid a copy). Cost follows each row's seq_len: chunks past it are skipped.
     chunk_size, dk, dv and block_v (the value columns of one recurrence program): powers of two, at least 16
     (Triton's smallest dot; interpreted, only chunk_size); num_warps and num_stages apply to the three launches;
-    None: `default_tiles`. interpret=None interprets on CPU only."""
+    block_v None: min(64, dv). interpret=None interprets on CPU only."""
     batch, seq, nk, dk = q.shape
     nv, dv = v.shape[2:]
-    tiles = default_tiles(batch, nv, dv)
-    chunk_size, block_v, num_stages = chunk_size or tiles["chunk_size"], block_v or tiles["block_v"], \
-        num_stages or tiles["num_stages"]
+    block_v = block_v or min(64, dv)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     tiles = (chunk_size, dk, dv, block_v) if not interpret else (chunk_size,)  # Triton's dots need >= 16
