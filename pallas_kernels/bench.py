@@ -426,12 +426,13 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
 
 
 # ---- GDN chunked prefill ---------------------------------------------------------------------------------------
-GP_FULL = dict(nk=16, nv=32, dk=128, dv=128, cases=((1, 4096, False), (8, 1024, False), (64, 1024, False),
-                                                  (64, 1024, True)), repeats=10, inner=3)  # Qwen3.5-35B-A3B
+GP_FULL = dict(nk=16, nv=32, dk=128, dv=128, cases=((1, 2048, False), (1, 4096, False), (2, 1024, False),
+                                                  (8, 1024, False), (64, 1024, False), (64, 1024, True)),
+               repeats=10, inner=3)  # Qwen3.5-35B-A3B
 GP_SMALL = dict(nk=2, nv=4, dk=16, dv=32, cases=((1, 80, False), (3, 40, True)), repeats=2, inner=1)
 # (chunk_size, block_v, num_warps, num_stages); None: gdn_prefill's default (chunk 32, block_v 64, 4 warps, 2 stages)
-GP_CONFIGS = [(None,) * 4, (64, 64, 4, 2), (64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2),
-              (64, 64, 8, 2), (64, 32, 4, 3), (32, 64, 4, 3), (16, 32, 4, 2)]
+GP_CONFIGS = [(None,) * 4, (64, 32, 4, 3), (64, 32, 4, 2), (64, 16, 4, 3), (64, 64, 4, 3), (32, 32, 4, 3),
+              (32, 64, 4, 3)]
 GP_SMALL_CONFIGS = [(None,) * 4, (16, 16, 4, 2)]
 GP_DEFAULT_CHUNK = inspect.signature(gdn_prefill.gdn_prefill).parameters["chunk_size"].default
 # bf16 dot operands (and T) against the float32 reference: ~5e-3 at these shapes on CPU; a bug gives order 1
