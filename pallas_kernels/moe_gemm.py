@@ -2,7 +2,10 @@
 
 Few tokens (decode, at most FEW_TOKENS): expert-major, no sort. One program per (expert, column block) reads the
   (token, expert) pairs itself, exits at once if its expert got none, and otherwise runs all the tokens through the
-  expert's weights as one [tokens padded to 16+, H] tile, keeping only the routed rows:
+  expert's weights as one [tokens padded to 16+, H] tile, keeping only the routed rows. With fewer pairs than
+  local experts (up to 31 tokens at 256 experts, top 8), the programs go per pair instead, each taking its pair's
+  expert unless an earlier pair has it: at one token, 8 x 8 programs for gate_up instead of 256 x 8, nearly all
+  of which would start only to exit. The two kernels:
   1. gate_up: x @ w_gate[e], x @ w_up[e] and SwiGLU, each routed row stored at its pair's row of h [T*k, I];
   2. down:    h's rows of the expert's pairs @ w_down[e], times the routing weight, stored at the pair's row;
   and one XLA fusion sums a token's k rows in float32. Two launches and a sum: the sort, bincount and scatters of a
@@ -171,12 +174,32 @@ def _rounded(acc, *, dtype):
 FEW_TOKENS = 64  # up to this many tokens, the expert-major kernels (every program scans all pairs; tiles of T rows)
 
 
-def _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows: int):
-    """The pairs routed to this program's expert (program_id 0, offset by first_expert): per token row of the tile
+def _program_expert(first_expert_ref, ids_ref, num_local: int, by_pair: bool):
+    """(local expert index, whether it has work) of this program (program_id 0). By expert: program e takes local
+    expert e (work: decided by its routed rows). By pair (fewer pairs than local experts, so the grid covers only
+    routed experts instead of every expert, most of whose programs would start only to find no pair): program p
+    takes the expert of flat pair p = t * k + j, and works only if that expert is local and no earlier pair chose
+    it."""
+    if not by_pair:
+        return pl.program_id(0), True
+    num_tokens, top_k = ids_ref.shape
+    p = pl.program_id(0)
+    flat = jnp.arange(pl.next_power_of_2(num_tokens * top_k), dtype=jnp.int32)
+    earlier = flat < p
+    ids = pltriton.load(ids_ref.at[jnp.where(earlier, flat // top_k, 0), jnp.where(earlier, flat % top_k, 0)],
+                        mask=earlier, other=-1)
+    mine = ids_ref[jax.lax.div(p, top_k), jax.lax.rem(p, top_k)]
+    local = mine - first_expert_ref[0]
+    first_time = jnp.max(jnp.where(ids == mine, 1, 0)) == 0
+    return jnp.clip(local, 0, num_local - 1), first_time & (local >= 0) & (local < num_local)
+
+
+def _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows: int, local_expert):
+    """The pairs routed to local expert `local_expert` (offset by first_expert): per token row of the tile
     (rows >= T), whether it chose the expert, the flat index t * k + j of that pair, and its routing weight
     (float32; a token picks an expert at most once, so the masked sum is exact)."""
     num_tokens, top_k = ids_ref.shape
-    expert = first_expert_ref[0] + pl.program_id(0)
+    expert = first_expert_ref[0] + local_expert
     token = jnp.arange(rows, dtype=jnp.int32)
     slot = jnp.arange(pl.next_power_of_2(top_k), dtype=jnp.int32)
     at = (jnp.minimum(token, num_tokens - 1)[:, None], jnp.minimum(slot, top_k - 1)[None, :])
@@ -189,14 +212,15 @@ def _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows: int):
 
 
 def _few_gate_up_kernel(first_expert_ref, ids_ref, weights_ref, x_ref, w_gate_ref, w_up_ref, h_ref, *, rows: int,
-                        block_n: int, block_k: int):
+                        block_n: int, block_k: int, by_pair: bool):
     """Program (e, n): SwiGLU(x @ w_gate[e], x @ w_up[e]) for columns block n, every token a row; the rows of
     tokens routed to e go to their pairs' rows of h [T*k, I]. Experts without pairs read nothing."""
-    routed, pair, _ = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows)
+    e, active = _program_expert(first_expert_ref, ids_ref, w_gate_ref.shape[0], by_pair)
+    routed, pair, _ = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows, e)
     num_tokens, hidden = x_ref.shape
-    e, n = pl.program_id(0), pl.program_id(1)
+    n = pl.program_id(1)
 
-    @pl.when(jnp.max(routed.astype(jnp.int32)) > 0)
+    @pl.when(active & (jnp.max(routed.astype(jnp.int32)) > 0))
     def _():
         token = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), num_tokens - 1)[:, None]  # padding rows repeat
         cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
@@ -214,14 +238,15 @@ def _few_gate_up_kernel(first_expert_ref, ids_ref, weights_ref, x_ref, w_gate_re
 
 
 def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, out_ref, *, rows: int, block_n: int,
-                     block_k: int):
+                     block_k: int, by_pair: bool):
     """Program (e, n): for the pairs routed to e, (h row @ w_down[e]) rounded, times the routing weight, rounded,
     stored at the pair's row of out [T*k, H] (columns block n)."""
-    routed, pair, weight = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows)
+    e, active = _program_expert(first_expert_ref, ids_ref, w_down_ref.shape[0], by_pair)
+    routed, pair, weight = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows, e)
     inter = h_ref.shape[1]
-    e, n = pl.program_id(0), pl.program_id(1)
+    n = pl.program_id(1)
 
-    @pl.when(jnp.max(routed.astype(jnp.int32)) > 0)
+    @pl.when(active & (jnp.max(routed.astype(jnp.int32)) > 0))
     def _():
         cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
 
@@ -252,15 +277,17 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
     routing = (jnp.asarray(first_expert, jnp.int32).reshape(1), ids.astype(jnp.int32), weights)
     pairs = num_tokens * top_k
 
+    by_pair = pairs < num_local  # a program per pair (its expert's first) rather than one per local expert
+    programs = pairs if by_pair else num_local
     bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
-    gate_up = _call(functools.partial(_few_gate_up_kernel, rows=rows, block_n=bn, block_k=bk),
-                    jax.ShapeDtypeStruct((pairs, inter), x.dtype), (num_local, inter // bn), interpret, num_warps,
+    gate_up = _call(functools.partial(_few_gate_up_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair),
+                    jax.ShapeDtypeStruct((pairs, inter), x.dtype), (programs, inter // bn), interpret, num_warps,
                     num_stages, "moe_few_gate_up")
     h = gate_up(*routing, x, w_gate, w_up)
 
     bn, bk = _tile(hidden, block_n), _tile(inter, block_k)
-    down = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk),
-                 jax.ShapeDtypeStruct((pairs, hidden), x.dtype), (num_local, hidden // bn), interpret, num_warps,
+    down = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair),
+                 jax.ShapeDtypeStruct((pairs, hidden), x.dtype), (programs, hidden // bn), interpret, num_warps,
                  num_stages, "moe_few_down")
     out = down(*routing, h, w_down)
 

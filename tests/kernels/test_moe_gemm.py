@@ -46,21 +46,24 @@ def test_kernel_matches_reference(seed, tokens, experts, hidden, inter, top_k, b
 
 
 @LAYOUTS
-def test_all_tokens_to_one_expert(few_tokens):
-    x, weights, _, wg, wu, wd = make_inputs(4, 20, 8, 64, 32, 2)
-    ids = jnp.tile(jnp.array([[5, 2]], jnp.int32), (20, 1))  # experts 5 and 2 get 20 rows each, six get none
+@pytest.mark.parametrize("tokens,experts", [(20, 8), (3, 16)])  # few tokens: programs per expert, then per pair
+def test_all_tokens_to_one_expert(tokens, experts, few_tokens):
+    x, weights, _, wg, wu, wd = make_inputs(4, tokens, experts, 64, 32, 2)
+    ids = jnp.tile(jnp.array([[5, 2]], jnp.int32), (tokens, 1))  # experts 5 and 2 get every token, the rest none
     want = reference(x, weights, ids, wg, wu, wd)
     got = routed_experts(x, weights, ids, wg, wu, wd, block_n=32, block_k=32, few_tokens=few_tokens)
     assert rel_err(got, want) < 1e-2
 
 
 @LAYOUTS
-def test_experts_held_elsewhere_add_nothing(few_tokens):
-    """A device holding experts 4..7 returns only their share; the two shares sum to the whole."""
-    x, weights, ids, wg, wu, wd = make_inputs(5, 9, 8, 64, 32, 3)
-    halves = [routed_experts(x, weights, ids, wg[s:s + 4], wu[s:s + 4], wd[s:s + 4], s, block_n=32, block_k=32,
-                             few_tokens=few_tokens) for s in (0, 4)]
-    want_half = reference(x, weights, ids, wg[4:], wu[4:], wd[4:], 4)
+@pytest.mark.parametrize("tokens,experts", [(9, 8), (2, 32)])  # few tokens: programs per expert, then per pair
+def test_experts_held_elsewhere_add_nothing(tokens, experts, few_tokens):
+    """A device holding the upper half of the experts returns only their share; the two shares sum to the whole."""
+    x, weights, ids, wg, wu, wd = make_inputs(5, tokens, experts, 64, 32, 3)
+    half = experts // 2
+    halves = [routed_experts(x, weights, ids, wg[s:s + half], wu[s:s + half], wd[s:s + half], s, block_n=32,
+                             block_k=32, few_tokens=few_tokens) for s in (0, half)]
+    want_half = reference(x, weights, ids, wg[half:], wu[half:], wd[half:], half)
     assert rel_err(halves[1], want_half) < 1e-2
     assert rel_err(halves[0] + halves[1], reference(x, weights, ids, wg, wu, wd)) < 1e-2
 
@@ -90,7 +93,9 @@ def test_under_jit_with_traced_first_expert(few_tokens):
 
 @pytest.mark.parametrize("tokens,kernels,grids", [
     # 64-column tiles: I 512 -> 8, H 2,048 -> 32
-    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ", "grid_x = 256 : i32, grid_y = 32 ")),
+    # one token: a program per pair (8), not per expert (256)
+    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 8 : i32, grid_y = 8 ", "grid_x = 8 : i32, grid_y = 32 ")),
+    (31, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 248 : i32, grid_y = 8 ",)),  # 248 pairs < 256 experts
     (FEW_TOKENS, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ",)),
     (FEW_TOKENS + 1, ("moe_gate_up", "moe_down"), ("grid_x = 289 : i32, grid_y = 8 ",)),  # 520 pairs / 16 + 256
     (512, ("moe_gate_up", "moe_down"), ("grid_x = 288 : i32, grid_y = 4 ", "num_warps = 8")),  # 4,096 / 128 + 256
