@@ -75,16 +75,10 @@ def _kernel(context_lens_ref, tables_ref, positions_ref, kv_head_start_ref, q_re
     num_full = jax.lax.div(jnp.maximum(full_end - start, 0), block_k)
     num_steps = jax.lax.div(jnp.maximum(end - start, 0) + (block_k - 1), block_k)
 
-    def keys(i):  # [block_k] key positions of step i
-        return start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-
-    def pages(i):  # [block_k] page ids of step i's keys
-        return tables_ref[b, jnp.minimum(jax.lax.div(keys(i), block_size), width - 1)]
-
     def step(i, carry, masked: bool):
-        acc, m, denom, page = carry  # [rows, D], [rows], [rows] float32: running P @ V, max, sum; step i's pages
-        next_page = pages(i + 1)  # loaded a step early: the K and V loads need not wait for the block table
-        key = keys(i)
+        acc, m, denom = carry  # [rows, D], [rows], [rows] float32: running P @ V, max, sum
+        key = start + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k] key positions
+        page = tables_ref[b, jnp.minimum(jax.lax.div(key, block_size), width - 1)]  # [block_k] page ids
         at = ((page * block_size + jax.lax.rem(key, block_size))[:, None], kv_head, lanes)  # -> [block_k, D]
         if masked:
             live = key < end
@@ -102,12 +96,12 @@ def _kernel(context_lens_ref, tables_ref, positions_ref, kv_head_start_ref, q_re
             p = jnp.where(visible, p, 0.0)  # a row that has seen nothing yet keeps denom = 0
         alpha = jnp.exp2(m - m_new)
         pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, alpha * denom + jnp.sum(p, axis=1), next_page
+        return acc * alpha[:, None] + pv, m_new, alpha * denom + jnp.sum(p, axis=1)
 
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full(pos.shape, MASKED, jnp.float32),
-             jnp.zeros(pos.shape, jnp.float32), pages(0))
+             jnp.zeros(pos.shape, jnp.float32))
     carry = jax.lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
-    acc, m, denom, _ = jax.lax.fori_loop(num_full, num_steps, functools.partial(step, masked=True), carry)
+    acc, m, denom = jax.lax.fori_loop(num_full, num_steps, functools.partial(step, masked=True), carry)
 
     if num_splits == 1:
         o_ref, = out_refs
