@@ -30,7 +30,7 @@ PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 tensor cores
 # A real indexing or gating bug shows as an error of order 1; float32 rounding as ~1e-6. The slack between: beta is
 # rounded to bf16 (as HF does), and one ulp of difference in the GPU's sigmoid can flip that rounding for a head.
 MAX_REL_ERR = 1e-3
-CONFIGS = [(32, 4), (16, 2), (64, 4), (8, 1)]  # (block_v, num_warps); the first is gdn_decode's default
+CONFIGS = [(64, 4), (32, 4), (16, 2), (8, 1)]  # (block_v, num_warps); the first is gdn_decode's default
 FULL = dict(batches=(1, 16, 64), nk=16, nv=32, dk=128, dv=128, repeats=50, inner=10)  # Qwen3.5-35B-A3B
 SMALL = dict(batches=(1, 3), nk=2, nv=4, dk=16, dv=16, repeats=3, inner=2)  # CPU interpret-mode smoke test
 
