@@ -146,6 +146,11 @@ def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline
                 row.note = f"rel err above {MAX_REL_ERR:g}"
             row.queued_us, row.blocked_us = time_step(step, inputs, jnp.copy(state), repeats, inner)
             row.tbs = moved / row.queued_us / 1e6
+            if (block_v, num_warps) == configs[0] and not interpret:
+                kernel = Row(batch, "pallas gdn_decode, GPU kernel time (profiler)", row.config)
+                kernel.queued_us = gpu_us(functools.partial(_step_in_place, step, inputs, {"state": jnp.copy(state)}))
+                kernel.tbs = moved / kernel.queued_us / 1e6
+                rows.append(kernel)
         except Exception as e:  # a lowering or compile error: report it and keep going
             row.note = failure_note(e, f"B={batch} {row.config}")
         if row.note:
@@ -167,6 +172,12 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _step_in_place(step: Callable, inputs: dict, holder: dict) -> jax.Array:
+    """One call of step(state, inputs) with its state donated: the holder keeps the state it returns."""
+    out, holder["state"] = step(holder["state"], inputs)
+    return out
+
+
 def time_call(fn: Callable, args: tuple, repeats: int, inner: int) -> float:
     """Median microseconds per call over `repeats` rounds of `inner` calls queued back to back."""
     jax.block_until_ready(fn(*args))
@@ -177,6 +188,17 @@ def time_call(fn: Callable, args: tuple, repeats: int, inner: int) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times) * 1e6
+
+
+def gpu_us(call: Callable[[], object]) -> float:
+    """Microseconds of GPU time per call(): the durations of the kernels it launched, summed (the profiler,
+    qwen_jax/bench/gpu_profile.py), so no host dispatch or gaps between launches. time_chained's figure for a ~70 us
+    kernel runs 20-30 us above this on an H200; this is the one to hold against the roofline. NaN on the CPU (no
+    kernel events)."""
+    from qwen_jax.bench.gpu_profile import profile_calls
+
+    busy_ms = profile_calls(call, calls=5)["gpu_busy_ms_per_call"]
+    return busy_ms * 1e3 if busy_ms > 0 else float("nan")
 
 
 def time_chained(fn: Callable, args: tuple, chain: int, repeats: int) -> float:
@@ -310,6 +332,9 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
                 err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
                 note = "" if err < MOE_MAX_REL_ERR else f"rel err above {MOE_MAX_REL_ERR:g}"
                 line(impl, config, time_chained(as_x(fn), args, chain, repeats), err, note)
+                if impl.startswith("default") and not interpret:
+                    line(impl + ", GPU kernel time (profiler)", config, gpu_us(functools.partial(jax.jit(fn), *args)),
+                         err, note)
             except Exception as e:  # a lowering or compile error: report it and keep going
                 note = failure_note(e, f"moe T={tokens} {config}")
                 line(impl, config, float("nan"), note=note)
@@ -418,6 +443,9 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
                 err = rel_err(jax.jit(fn)(*args), want)
                 note = "" if err < PA_MAX_REL_ERR else f"rel err above {PA_MAX_REL_ERR:g}"
                 line("pallas paged_attention", config, time_chained(fn, args, chain, repeats), err, note)
+                if config == "defaults" and not interpret:
+                    line("pallas paged_attention, GPU kernel time (profiler)", config,
+                         gpu_us(functools.partial(jax.jit(fn), *args)), err, note)
             except Exception as e:  # a lowering or compile error: report it and keep going
                 note = failure_note(e, f"paged_attention {case} {config}")
                 line("pallas paged_attention", config, float("nan"), note=note)
