@@ -66,9 +66,13 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
     strict = jnp.tril(jnp.ones((chunk_size, chunk_size), dtype=bool), -1)
     system = jnp.where(strict, jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * decay, 0.0)
     system = system + jnp.eye(chunk_size, dtype=system.dtype)
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)  # noqa: E731
-    new_values = solve(v_beta)
-    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])
+    # Both right-hand sides in one solve. Two independent solves run concurrently on XLA:CPU's intra-op pool, and
+    # jaxlib's batched triangular solve then waits for pool threads that both solves hold: a deadlock on a 2-core
+    # machine (3 hangs in 12 runs of tests/kernels/test_gdn_prefill.py here, every pool thread parked in
+    # lapack_strsm's ParallelBatchMap). One solve also means one launch instead of two on a GPU.
+    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    new_values, k_cumdecay = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
     intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
