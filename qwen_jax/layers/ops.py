@@ -37,8 +37,7 @@ def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_len
     if q.shape[1] == 1:  # padding rows (seq_lens 0) update slot 0, the sink
         out, ssm = gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, ssm, slots, fresh)
         return out[:, None], ssm
-    out, state = gdn_prefill(q, k, v, a, b, A_log, dt_bias, slot_states(ssm, slots, fresh), seq_lens,
-                             block_v=min(64, v.shape[-1]))
+    out, state = gdn_prefill(q, k, v, a, b, A_log, dt_bias, slot_states(ssm, slots, fresh), seq_lens)
     return out, ssm.at[slots].set(state)
 
 
