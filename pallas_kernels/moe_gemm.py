@@ -5,7 +5,8 @@ Few tokens (decode, at most FEW_TOKENS): expert-major, no sort. One program per 
   expert's weights as one [tokens padded to 16+, H] tile, keeping only the routed rows. With fewer pairs than
   local experts (up to 31 tokens at 256 experts, top 8), the programs go per pair instead, each taking its pair's
   expert unless an earlier pair has it: at one token, 8 x 8 programs for gate_up instead of 256 x 8, nearly all
-  of which would start only to exit. The two kernels:
+  of which would start only to exit. Still under 256 programs (one or two tokens), gate_up splits its contraction
+  into slices whose float32 partial sums one XLA fusion adds before SwiGLU. The two kernels:
   1. gate_up: x @ w_gate[e], x @ w_up[e] and SwiGLU, each routed row stored at its pair's row of h [T*k, I];
   2. down:    h's rows of the expert's pairs @ w_down[e], times the routing weight, stored at the pair's row;
   and one XLA fusion sums a token's k rows in float32. Two launches and a sum: the sort, bincount and scatters of a
@@ -67,7 +68,7 @@ def default_tiles(num_tokens: int, num_pairs: int, native: bool = False) -> dict
     Pallas kernels up to FEW_TOKENS tokens; above, the sorted layout, as native Triton kernels when `native`."""
     if num_tokens <= FEW_TOKENS:
         return dict(few_tokens=True, triton=False, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4,
-                    down=None)
+                    down=None, split_k=None)
     if native:
         _, bm, bn, bk, warps, stages, down = next(t for t in TRITON_TILES if t[0] is None or num_pairs <= t[0])
         return dict(few_tokens=False, triton=True, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
@@ -211,14 +212,17 @@ def _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows: int, local_ex
     return routed, pair, weight
 
 
-def _few_gate_up_kernel(first_expert_ref, ids_ref, weights_ref, x_ref, w_gate_ref, w_up_ref, h_ref, *, rows: int,
-                        block_n: int, block_k: int, by_pair: bool):
-    """Program (e, n): SwiGLU(x @ w_gate[e], x @ w_up[e]) for columns block n, every token a row; the rows of
-    tokens routed to e go to their pairs' rows of h [T*k, I]. Experts without pairs read nothing."""
+def _few_gate_up_kernel(first_expert_ref, ids_ref, weights_ref, x_ref, w_gate_ref, w_up_ref, *out_refs, rows: int,
+                        block_n: int, block_k: int, by_pair: bool, split_k: int):
+    """Program (e, n, s): SwiGLU(x @ w_gate[e], x @ w_up[e]) for columns block n, every token a row; the rows of
+    tokens routed to e go to their pairs' rows of h [T*k, I]. Experts without pairs read nothing. With split_k > 1,
+    program s runs the s-th slice of the contraction and stores float32 gate and up partial sums at [s, pair]
+    instead ([split_k, T*k, I] each), which one XLA fusion adds up and passes through SwiGLU."""
     e, active = _program_expert(first_expert_ref, ids_ref, w_gate_ref.shape[0], by_pair)
     routed, pair, _ = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows, e)
     num_tokens, hidden = x_ref.shape
-    n = pl.program_id(1)
+    n, s = pl.program_id(1), pl.program_id(2)
+    steps = hidden // block_k // split_k
 
     @pl.when(active & (jnp.max(routed.astype(jnp.int32)) > 0))
     def _():
@@ -226,15 +230,20 @@ def _few_gate_up_kernel(first_expert_ref, ids_ref, weights_ref, x_ref, w_gate_re
         cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
 
         def body(i, accs):
-            k0 = pl.multiple_of(i * block_k, block_k)
+            k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
             x = x_ref[token, k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]]
             ks = pl.ds(k0, block_k)
             return accs[0] + _dot(x, w_gate_ref[e, ks, cols]), accs[1] + _dot(x, w_up_ref[e, ks, cols])
 
         zeros = jnp.zeros((rows, block_n), jnp.float32)
-        gate, up = jax.lax.fori_loop(0, hidden // block_k, body, (zeros, zeros))
+        gate, up = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
         col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
-        pltriton.store(h_ref.at[pair[:, None], col], _swiglu(gate, up, dtype=h_ref.dtype), mask=routed[:, None])
+        if split_k == 1:
+            (h_ref,) = out_refs
+            pltriton.store(h_ref.at[pair[:, None], col], _swiglu(gate, up, dtype=h_ref.dtype), mask=routed[:, None])
+        else:
+            for part_ref, acc in zip(out_refs, (gate, up), strict=True):
+                pltriton.store(part_ref.at[s, pair[:, None], col], acc, mask=routed[:, None])
 
 
 def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, out_ref, *, rows: int, block_n: int,
@@ -263,12 +272,26 @@ def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, 
         pltriton.store(out_ref.at[pair[:, None], col], out, mask=routed[:, None])
 
 
+FEW_SPLIT_PROGRAMS = 256  # gate_up splits its contraction until it has this many programs (see few_token_experts)
+
+
+def few_split_k(programs: int, steps: int, want: int = FEW_SPLIT_PROGRAMS) -> int:
+    """How many slices gate_up splits its contraction (`steps` block_k steps) into: the fewest powers of two that
+    give `want` programs, each slice a whole number of steps. At one token (8 pairs x 8 column blocks = 64
+    programs) too few programs run to stream the weights at full bandwidth."""
+    split = 1
+    while programs * split < want and steps % (2 * split) == 0:
+        split *= 2
+    return split
+
+
 def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                       w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 64,
-                      block_k: int = 64, num_warps: int = 4, num_stages: int = 4, interpret: bool | None = None
-                      ) -> jax.Array:
+                      block_k: int = 64, num_warps: int = 4, num_stages: int = 4, split_k: int | None = None,
+                      interpret: bool | None = None) -> jax.Array:
     """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
-    steadiest of two pallas_kernels/bench.py sweeps on an H200 at 1-64 tokens (BENCH_H200.md)."""
+    steadiest of two pallas_kernels/bench.py sweeps on an H200 at 1-64 tokens (BENCH_H200.md). split_k: slices of
+    gate_up's contraction (None: few_split_k)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
     rows = max(16, pl.next_power_of_2(num_tokens))  # a dot tile has at least 16 rows
@@ -280,10 +303,18 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
     by_pair = pairs < num_local  # a program per pair (its expert's first) rather than one per local expert
     programs = pairs if by_pair else num_local
     bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
-    gate_up = _call(functools.partial(_few_gate_up_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair),
-                    jax.ShapeDtypeStruct((pairs, inter), x.dtype), (programs, inter // bn), interpret, num_warps,
-                    num_stages, "moe_few_gate_up")
+    if split_k is None:
+        split_k = few_split_k(programs * (inter // bn), hidden // bk)
+    if hidden // bk % split_k:
+        raise ValueError(f"moe_gemm: split_k {split_k} does not divide the {hidden // bk} steps of {bk} of H {hidden}")
+    h_shapes = (jax.ShapeDtypeStruct((pairs, inter), x.dtype),) if split_k == 1 else \
+        (jax.ShapeDtypeStruct((split_k, pairs, inter), jnp.float32),) * 2  # gate, up partial sums
+    gate_up = _call(functools.partial(_few_gate_up_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair,
+                                      split_k=split_k),
+                    h_shapes, (programs, inter // bn, split_k), interpret, num_warps, num_stages, "moe_few_gate_up")
     h = gate_up(*routing, x, w_gate, w_up)
+    # Rows of pairs not routed here hold garbage; the down kernel never reads them.
+    h = h[0] if split_k == 1 else _swiglu(h[0].sum(axis=0), h[1].sum(axis=0), dtype=x.dtype)
 
     bn, bk = _tile(hidden, block_n), _tile(inter, block_k)
     down = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair),
@@ -307,22 +338,26 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
                    w_down: jax.Array, first_expert: jax.Array | int = 0, *, few_tokens: bool | None = None,
                    triton: bool | None = None, block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   down: tuple[int, int, int, int] | None = None, interpret: bool | None = None) -> jax.Array:
+                   down: tuple[int, int, int, int] | None = None, split_k: int | None = None,
+                   interpret: bool | None = None) -> jax.Array:
     """Same contract as `reference` (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
     w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
     (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels, else the sorted
     blocks of block_m rows; triton: the sorted blocks as native Triton kernels (GPU only; `down`: their down
-    kernel's own tiles); None here and in the tiles: `default_tiles`. interpret=None interprets on CPU only."""
+    kernel's own tiles; split_k: the few-token gate_up's contraction slices); None here and in the tiles:
+    `default_tiles`. interpret=None interprets on CPU only."""
     num_tokens, top_k = ids.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     tiles = resolve_tiles(num_tokens, num_tokens * top_k, not interpret and triton_available(),
                           few_tokens=few_tokens, triton=triton, block_m=block_m, block_n=block_n, block_k=block_k,
-                          num_warps=num_warps, num_stages=num_stages, down=down)
+                          num_warps=num_warps, num_stages=num_stages, down=down, split_k=split_k)
     if tiles.pop("few_tokens"):
         for key in ("block_m", "triton", "down"):
             tiles.pop(key)
         return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, interpret=interpret, **tiles)
+    if tiles.pop("split_k", None) is not None:
+        raise ValueError("moe_gemm: split_k applies to the few-token kernels only")
     if tiles.pop("triton"):
         from pallas_kernels import moe_triton  # GPU only
 

@@ -68,6 +68,27 @@ def test_experts_held_elsewhere_add_nothing(tokens, experts, few_tokens):
     assert rel_err(halves[0] + halves[1], reference(x, weights, ids, wg, wu, wd)) < 1e-2
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("tokens,experts", [(1, 16), (3, 4)])  # programs per pair (with a repeat), per expert
+def test_few_token_split_contraction(split_k, tokens, experts):
+    """gate_up's contraction in split_k slices (float32 partial sums the down kernel adds before SwiGLU) gives the
+    unsplit result, also where two pairs share an expert and under expert parallelism (upper half held here)."""
+    x, weights, ids, wg, wu, wd = make_inputs(7 + split_k, tokens, experts, 256, 32, 4)
+    ids = ids.at[0, 1].set(ids[-1, 0]) if tokens > 1 else ids
+    half = experts // 2
+    got = routed_experts(x, weights, ids, wg[half:], wu[half:], wd[half:], half, block_n=32, block_k=64,
+                         few_tokens=True, split_k=split_k)
+    assert rel_err(got, reference(x, weights, ids, wg[half:], wu[half:], wd[half:], half)) < 1e-2
+
+
+def test_split_k_is_checked():
+    x, weights, ids, wg, wu, wd = make_inputs(0, 2, 8, 64, 32, 2)
+    with pytest.raises(ValueError, match="split_k 4 does not divide the 2 steps"):
+        routed_experts(x, weights, ids, wg, wu, wd, block_n=32, block_k=32, few_tokens=True, split_k=4)
+    with pytest.raises(ValueError, match="few-token kernels only"):
+        routed_experts(x, weights, ids, wg, wu, wd, few_tokens=False, split_k=2)
+
+
 def test_plan_puts_each_pair_in_a_block_of_its_expert():
     ids = jnp.array([[3, 0], [3, 1], [0, 3], [5, 3]], jnp.int32)  # expert 3: 4 pairs, 0: 2, 1: 1, 5: 1
     pair_of_row, row_of_pair, block_expert, num_blocks = map(np.asarray, plan(ids, 4, 0, 2))
@@ -93,8 +114,10 @@ def test_under_jit_with_traced_first_expert(few_tokens):
 
 @pytest.mark.parametrize("tokens,kernels,grids", [
     # 64-column tiles: I 512 -> 8, H 2,048 -> 32
-    # one token: a program per pair (8), not per expert (256)
-    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 8 : i32, grid_y = 8 ", "grid_x = 8 : i32, grid_y = 32 ")),
+    # one token: a program per pair (8), not per expert (256); gate_up's contraction in 4 slices (256 programs)
+    (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 8 : i32, grid_y = 8 : i32, grid_z = 4",
+                                               "grid_x = 8 : i32, grid_y = 32 : i32, grid_z = 1")),
+    (4, ("moe_few_gate_up",), ("grid_x = 32 : i32, grid_y = 8 : i32, grid_z = 1",)),  # 256 programs: no split
     (31, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 248 : i32, grid_y = 8 ",)),  # 248 pairs < 256 experts
     (FEW_TOKENS, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ",)),
     (FEW_TOKENS + 1, ("moe_gate_up", "moe_down"), ("grid_x = 289 : i32, grid_y = 8 ",)),  # 520 pairs / 16 + 256
