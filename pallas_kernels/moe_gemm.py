@@ -272,13 +272,14 @@ def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, 
         pltriton.store(out_ref.at[pair[:, None], col], out, mask=routed[:, None])
 
 
-FEW_SPLIT_PROGRAMS = 256  # gate_up splits its contraction until it has this many programs (see few_token_experts)
+MIN_PROGRAMS = 256  # weight-streaming kernels split their contraction until this many programs run
 
 
-def few_split_k(programs: int, steps: int, want: int = FEW_SPLIT_PROGRAMS) -> int:
-    """How many slices gate_up splits its contraction (`steps` block_k steps) into: the fewest powers of two that
-    give `want` programs, each slice a whole number of steps. At one token (8 pairs x 8 column blocks = 64
-    programs) too few programs run to stream the weights at full bandwidth."""
+def split_contraction(programs: int, steps: int, want: int = MIN_PROGRAMS) -> int:
+    """How many slices a weight-streaming kernel of `programs` programs splits its contraction (`steps` steps of
+    block_k) into: the fewest powers of two that give `want` programs, each slice a whole number of steps. At one
+    token (8 pairs x 8 column blocks = 64 programs) too few programs run to stream the weights at full bandwidth
+    (132 SMs on an H200)."""
     split = 1
     while programs * split < want and steps % (2 * split) == 0:
         split *= 2
@@ -291,7 +292,7 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
                       interpret: bool | None = None) -> jax.Array:
     """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
     steadiest of two pallas_kernels/bench.py sweeps on an H200 at 1-64 tokens (BENCH_H200.md). split_k: slices of
-    gate_up's contraction (None: few_split_k)."""
+    gate_up's contraction (None: split_contraction)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
     rows = max(16, pl.next_power_of_2(num_tokens))  # a dot tile has at least 16 rows
@@ -304,7 +305,7 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
     programs = pairs if by_pair else num_local
     bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
     if split_k is None:
-        split_k = few_split_k(programs * (inter // bn), hidden // bk)
+        split_k = split_contraction(programs * (inter // bn), hidden // bk)
     if hidden // bk % split_k:
         raise ValueError(f"moe_gemm: split_k {split_k} does not divide the {hidden // bk} steps of {bk} of H {hidden}")
     h_shapes = (jax.ShapeDtypeStruct((pairs, inter), x.dtype),) if split_k == 1 else \

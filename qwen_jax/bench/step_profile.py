@@ -141,11 +141,11 @@ def main() -> None:
         batch["valid"] = jnp.ones((b, 1), bool)
         x = jax.random.normal(jax.random.key(0), (b, 1, cfg.hidden_size), jnp.float32).astype(cfg.jnp_dtype)
         row = {"batch": b}
-        f = jax.jit(lambda x, p, c, bt: attention_layer(x, p, c, bt, cfg, inv, ops.attention)[0])
+        f = jax.jit(lambda x, p, c, bt: attention_layer(x, p, c, bt, cfg, inv, ops.attention, ops.dense)[0])
         row["attention_ms"] = round(_time(f, x, params["layers"][attn_i]["mixer"], cache["layers"][attn_i], batch)[1]
                                     * 1e3, 3)
         if gdn_i is not None:
-            f = jax.jit(lambda x, p, c, bt: gdn_layer(x, p, c, bt, cfg, ops.delta_rule)[0])
+            f = jax.jit(lambda x, p, c, bt: gdn_layer(x, p, c, bt, cfg, ops.delta_rule, ops.dense)[0])
             row["gdn_ms"] = round(_time(f, x, params["layers"][gdn_i]["mixer"], cache["layers"][gdn_i], batch)[1]
                                   * 1e3, 3)
         mlp = params["layers"][0]["mlp"]
@@ -153,7 +153,7 @@ def main() -> None:
         if cfg.is_moe_layer(0):
             f = jax.jit(lambda x, p: ops.moe(x, p, cfg.num_experts_per_tok, cfg.norm_topk_prob))
         else:
-            f = jax.jit(lambda x, p: swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"]))
+            f = jax.jit(lambda x, p: swiglu_mlp(x, p["w_gate"], p["w_up"], p["w_down"], ops.dense))
         row["mlp_ms"] = round(_time(f, flat, mlp)[1] * 1e3, 3)
         head = params.get("lm_head", params["embed"].T)
         f = jax.jit(lambda x, w: jnp.matmul(x, w, preferred_element_type=jnp.float32))

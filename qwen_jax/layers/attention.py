@@ -7,14 +7,14 @@ Reference math: gathers each sequence's pages into a dense context; pallas_kerne
 import jax
 import jax.numpy as jnp
 
-from qwen_jax.layers.mlp import linear
+from qwen_jax.layers.mlp import dense, linear
 from qwen_jax.layers.norms import rms_norm
 from qwen_jax.layers.rope import apply_rope
 
 
-def _proj(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+def _proj(x: jax.Array, w: jax.Array, bias: jax.Array | None, dense_op=dense) -> jax.Array:
     """[B, S, H] x [H, heads, D] -> [B, S, heads, D], float32 accumulation."""
-    out = jnp.einsum("bsh,hnd->bsnd", x, w, preferred_element_type=jnp.float32)
+    out = dense_op(x, w)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     return out.astype(x.dtype)
@@ -58,13 +58,14 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positi
 
 
 def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_freq: jax.Array,
-                    attend=paged_attention) -> tuple[jax.Array, dict]:
+                    attend=paged_attention, dense_op=dense) -> tuple[jax.Array, dict]:
     """x: [B, S, H] -> ([B, S, H], updated {"k", "v"} pages).
-    `attend`: paged_attention or a kernel with its contract (layers/ops.py picks)."""
+    `attend`, `dense_op`: paged_attention and the projections' dense, or kernels with their contracts (layers/ops.py
+    picks)."""
     positions, valid = batch["positions"], batch["valid"]
-    q = _proj(x, p["q"], p.get("q_bias"))
-    k = _proj(x, p["k"], p.get("k_bias"))
-    v = _proj(x, p["v"], p.get("v_bias"))
+    q = _proj(x, p["q"], p.get("q_bias"), dense_op)
+    k = _proj(x, p["k"], p.get("k_bias"), dense_op)
+    v = _proj(x, p["v"], p.get("v_bias"), dense_op)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
@@ -74,9 +75,9 @@ def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_fr
     v_cache = write_kv(cache["v"], v, positions, valid, batch["block_tables"])
     out = attend(q, k_cache, v_cache, positions, batch["context_lens"], batch["block_tables"], cfg.head_dim ** -0.5)
     if cfg.attn_output_gate:
-        gate = _proj(x, p["gate"], None).astype(jnp.float32)
+        gate = _proj(x, p["gate"], None, dense_op).astype(jnp.float32)
         out = out * jax.nn.sigmoid(gate).astype(out.dtype)  # sigmoid in float32 and rounded once, as torch does
-    out = jnp.einsum("bsnd,ndh->bsh", out, p["o"], preferred_element_type=jnp.float32)
+    out = dense_op(out, p["o"], 2)
     if "o_bias" in p:
         out = out + p["o_bias"].astype(jnp.float32)
     return out.astype(x.dtype), {"k": k_cache, "v": v_cache}

@@ -7,7 +7,7 @@ Reference math for pallas_kernels/gdn_*; state slots are read and written only a
 import jax
 import jax.numpy as jnp
 
-from qwen_jax.layers.mlp import linear
+from qwen_jax.layers.mlp import dense, linear
 from qwen_jax.layers.norms import gated_rms_norm
 
 CHUNK_SIZE = 64
@@ -122,14 +122,15 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
     return out, ssm.at[slots].set(state)
 
 
-def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule
+def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule, dense_op=dense
               ) -> tuple[jax.Array, dict]:
     """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots).
-    `delta_rule_op`: the recurrence, `delta_rule` or a kernel with its contract (layers/ops.py picks)."""
+    `delta_rule_op`, `dense_op`: the recurrence (`delta_rule`) and the projections' dense, or kernels with their
+    contracts (layers/ops.py picks)."""
     slots, seq_lens = batch["state_slots"], batch["seq_lens"]
     fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
     keep = lambda t: jnp.where(fresh.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.zeros_like(t), t)  # noqa: E731
-    proj = lambda w: jnp.einsum("bsh,h...->bs...", x, w, preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
+    proj = lambda w: dense_op(x, w).astype(x.dtype)  # noqa: E731
     q, new_conv_q = causal_conv(proj(p["q"]), keep(cache["conv_q"][slots]), p["conv_q"], seq_lens)
     k, new_conv_k = causal_conv(proj(p["k"]), keep(cache["conv_k"][slots]), p["conv_k"], seq_lens)
     v, new_conv_v = causal_conv(proj(p["v"]), keep(cache["conv_v"][slots]), p["conv_v"], seq_lens)
@@ -138,7 +139,7 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_o
 
     out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], slots, fresh, seq_lens)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
-    out = jnp.einsum("bsnd,ndh->bsh", out, p["out"], preferred_element_type=jnp.float32).astype(x.dtype)
+    out = dense_op(out, p["out"], 2).astype(x.dtype)
     new_cache = {
         "conv_q": cache["conv_q"].at[slots].set(new_conv_q),
         "conv_k": cache["conv_k"].at[slots].set(new_conv_k),

@@ -7,9 +7,15 @@ import jax
 import jax.numpy as jnp
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """x's last `contract` dims against w's first ones, float32 accumulation and result: the layers' projections
+    (their `dense` op; pallas_kernels/skinny_matmul.py is its kernel for one row)."""
+    return jnp.tensordot(x, w, contract, preferred_element_type=jnp.float32)
+
+
+def linear(x: jax.Array, w: jax.Array, dense_op=dense) -> jax.Array:
     """x @ w with float32 accumulation, rounded to x's dtype (what a torch bf16 Linear does)."""
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return dense_op(x, w).astype(x.dtype)
 
 
 def silu(x: jax.Array) -> jax.Array:
@@ -17,14 +23,15 @@ def silu(x: jax.Array) -> jax.Array:
     return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return linear(silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, dense_op=dense) -> jax.Array:
+    return linear(silu(linear(x, w_gate, dense_op)) * linear(x, w_up, dense_op), w_down, dense_op)
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool, dense_op=dense
+          ) -> tuple[jax.Array, jax.Array]:
     """Softmax over all experts in float32, keep the top k, optionally renormalise.
     Returns (weights [T, k] in x's dtype, expert ids [T, k] int32)."""
-    logits = linear(x, router)
+    logits = linear(x, router, dense_op)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if renormalize:
@@ -57,6 +64,16 @@ def routed_experts_f32(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate:
     return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
+def dense_impl(kernels: str):
+    """The one switch for the projections: "reference" (`dense`, XLA's dots) or "gpu" (the one-row kernel of
+    pallas_kernels/skinny_matmul.py where it pays). Same signature as dense."""
+    if kernels == "gpu":
+        from pallas_kernels.skinny_matmul import dense as dense_kernel  # lazy: pallas_kernels imports this module
+
+        return dense_kernel
+    return dense
+
+
 def routed_experts_impl(kernels: str):
     """The one switch for the routed experts: "reference" (ragged_dot above) or "gpu" (the Pallas grouped GEMM,
     which reads only the experts that received tokens). Same signature as routed_experts_f32."""
@@ -69,10 +86,12 @@ def routed_experts_impl(kernels: str):
 
 def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, kernels: str = "reference") -> jax.Array:
     """Routed experts plus, when present, a shared expert scaled by sigmoid(x @ shared_expert_gate)."""
-    weights, ids = route(x, p["router"], top_k, renormalize)
+    dense_op = dense_impl(kernels)
+    weights, ids = route(x, p["router"], top_k, renormalize, dense_op)
     routed = routed_experts_impl(kernels)
     out = routed(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"]).astype(x.dtype)
     if "shared_gate" in p:
-        shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"])
-        out = out + jax.nn.sigmoid(linear(x, p["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype) * shared
+        shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"], dense_op)
+        gate = linear(x, p["shared_expert_gate"], dense_op).astype(jnp.float32)
+        out = out + jax.nn.sigmoid(gate).astype(x.dtype) * shared
     return out

@@ -7,6 +7,7 @@ Each op has one contract, shared by its reference and its kernel:
   delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens) -> (out [B, S, nv, dv] float32, ssm)
                                                               (qwen_jax.layers.gated_deltanet.delta_rule)
   moe(x [T, H], p, top_k, renormalize) -> [T, H]              (qwen_jax.layers.mlp.sparse_moe)
+  dense(x, w, contract=1) -> float32, x's last `contract` dims against w's first (qwen_jax.layers.mlp.dense)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from qwen_jax.config import KERNELS
 from qwen_jax.layers.attention import paged_attention
 from qwen_jax.layers.gated_deltanet import delta_rule, slot_states
-from qwen_jax.layers.mlp import sparse_moe
+from qwen_jax.layers.mlp import dense, dense_impl, sparse_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Ops:
     attention: Callable
     delta_rule: Callable
     moe: Callable
+    dense: Callable
 
 
 def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
@@ -46,8 +48,8 @@ def ops_for(kernels: str) -> Ops:
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     if kernels == "reference":
-        return Ops(attention=paged_attention, delta_rule=delta_rule, moe=sparse_moe)
+        return Ops(attention=paged_attention, delta_rule=delta_rule, moe=sparse_moe, dense=dense)
     from pallas_kernels.paged_attention import paged_attention as attention_kernel
 
     return Ops(attention=attention_kernel, delta_rule=delta_rule_kernels,
-               moe=functools.partial(sparse_moe, kernels="gpu"))
+               moe=functools.partial(sparse_moe, kernels="gpu"), dense=dense_impl("gpu"))

@@ -1,6 +1,6 @@
 """The engine with kernels="gpu" (the Pallas kernels: GDN decode and chunked prefill, paged attention for decode and
-prefill, MoE GEMM; interpreted on the CPU) generates the same greedy tokens as with the jnp reference, on the
-built-in hybrid model in float32.
+prefill, MoE GEMM, the one-row projections; interpreted on the CPU) generates the same greedy tokens as with the
+jnp reference, on the built-in hybrid model in float32.
 """
 
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 
 import pallas_kernels.gdn_prefill
 import pallas_kernels.paged_attention
+import pallas_kernels.skinny_matmul
 from qwen_jax.llm import LLM
 from qwen_jax.sampling_params import SamplingParams
 
@@ -52,6 +53,21 @@ def test_gpu_kernels_give_close_logprobs(outputs):
         a = np.array([t.logprob for t in ref.logprobs])
         b = np.array([t.logprob for t in fast.logprobs])
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_one_sequence_decodes_through_the_one_row_projection_kernel():
+    """Alone, a sequence decodes one row a step: its projections run the skinny matmul kernel, same tokens."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    rows, kernel = [], pallas_kernels.skinny_matmul.matmul
+    tokens = {}
+    for kernels in ("reference", "gpu"):
+        llm = LLM(None, max_num_seqs=2, max_model_len=96, kernels=kernels, dtype="float32")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(pallas_kernels.skinny_matmul, "matmul",
+                          lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw))
+            tokens[kernels] = llm.generate([PROMPTS[0]], params)[0].token_ids
+    assert rows and set(rows) == {1}  # traced for the one-row decode step only
+    assert tokens["gpu"] == tokens["reference"] and len(tokens["gpu"]) == 6
 
 
 def test_unknown_kernels_name_is_rejected():

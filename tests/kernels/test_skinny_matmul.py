@@ -1,0 +1,76 @@
+"""The one-row Pallas matmul (interpret mode on CPU) against its jnp reference: row counts up to MAX_ROWS, split
+contractions, tiles that shrink to fit, the layers' `dense` contract it serves (and where it leaves XLA's dots),
+shapes it refuses; plus its lowering to one Triton call for CUDA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import pallas_kernels.skinny_matmul as skinny
+from pallas_kernels.moe_gemm import split_contraction
+from pallas_kernels.skinny_matmul import MAX_ROWS, dense, matmul, reference
+from qwen_jax.layers.mlp import dense as dense_reference
+
+
+def rel_err(x, y) -> float:
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+
+
+def normal(seed: int, shape: tuple, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("rows,k,n,split_k", [
+    (1, 256, 256, None),   # 2 column blocks of 128: the contraction splits 4 ways (every step of 64 its own slice)
+    (3, 128, 64, 1),       # odd row count; 64 columns: the 128-column tile shrinks to 64
+    (MAX_ROWS, 256, 192, 2),  # 192 columns: tiles of 64
+    (5, 512, 48, 8),       # 48 columns: tiles of 16
+])
+def test_matches_reference(rows, k, n, split_k):
+    x, w = normal(rows, (rows, k)), normal(k + n, (k, n), 0.05)
+    got = matmul(x, w, split_k=split_k)
+    assert got.shape == (rows, n) and got.dtype == jnp.float32
+    assert rel_err(got, reference(x, w)) < 1e-5  # float32 sums of exact bf16 products: only the order differs
+
+
+def test_split_contraction_reaches_the_program_target_in_whole_steps():
+    assert split_contraction(8, 32) == 32 and split_contraction(64, 32) == 4 and split_contraction(256, 32) == 1
+    assert split_contraction(2, 6) == 2  # 6 steps: a split of 4 would cut a step
+
+
+def test_refuses_what_it_cannot_tile():
+    with pytest.raises(ValueError, match="1 to 16"):
+        matmul(jnp.ones((MAX_ROWS + 1, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        matmul(jnp.ones((1, 40), jnp.bfloat16), jnp.ones((40, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="split_k 4 does not divide the 2 steps"):
+        matmul(jnp.ones((1, 128), jnp.bfloat16), jnp.ones((128, 64), jnp.bfloat16), split_k=4)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,contract,kernel", [
+    ((1, 1, 64), (64, 4, 16), 1, True),      # a decode step's q projection [B, S, H] x [H, heads, D]
+    ((1, 1, 4, 16), (4, 16, 64), 2, True),   # its output projection [B, S, heads, D] x [heads, D, H]
+    ((2, 1, 64), (64, 4, 16), 1, False),     # two rows: XLA's GEMM is as fast (BENCH_H200.md)
+    ((1, 64), (64, 1), 1, False),            # one output column (the shared expert's gate): not a tile
+])
+def test_dense_runs_the_kernel_for_one_row_only(x_shape, w_shape, contract, kernel, monkeypatch):
+    calls = []
+    monkeypatch.setattr(skinny, "matmul", lambda *a, **kw: calls.append(1) or matmul(*a, **kw))
+    x, w = normal(1, x_shape), normal(2, w_shape, 0.1)
+    got, want = dense(x, w, contract), dense_reference(x, w, contract)
+    assert got.shape == want.shape and got.dtype == jnp.float32 and bool(calls) == kernel
+    assert rel_err(got, want) < 1e-5
+
+
+def test_lowers_to_one_triton_call_for_cuda():
+    """At the 35B-A3B GDN output projection (K 4,096, N 2,048): 16 column blocks x 16 slices = 256 programs."""
+    s = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda x, w: matmul(x, w, interpret=False))
+    text = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        s((1, 4096), jnp.bfloat16), s((4096, 2048), jnp.bfloat16)).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
+    assert 'name = "skinny_matmul"' in text and "grid_x = 16 : i32, grid_y = 16 : i32" in text
