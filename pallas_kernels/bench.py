@@ -459,11 +459,10 @@ GP_FULL = dict(nk=16, nv=32, dk=128, dv=128, cases=((1, 2048, False), (1, 4096, 
                                                   (8, 1024, False), (64, 1024, False), (64, 1024, True)),
                repeats=10, inner=3)  # Qwen3.5-35B-A3B
 GP_SMALL = dict(nk=2, nv=4, dk=16, dv=32, cases=((1, 80, False), (3, 40, True)), repeats=2, inner=1)
-# (chunk_size, block_v, num_warps, num_stages); None: gdn_prefill's default (chunk 32, block_v 64, 4 warps, 2 stages)
+# (chunk_size, block_v, num_warps, num_stages); None: gdn_prefill's defaults (gdn_prefill.default_tiles, 4 warps)
 GP_CONFIGS = [(None,) * 4, (64, 32, 4, 3), (64, 32, 4, 2), (64, 16, 4, 3), (64, 64, 4, 3), (32, 32, 4, 3),
               (32, 64, 4, 3)]
 GP_SMALL_CONFIGS = [(None,) * 4, (16, 16, 4, 2)]
-GP_DEFAULT_CHUNK = inspect.signature(gdn_prefill.gdn_prefill).parameters["chunk_size"].default
 # bf16 dot operands (and T) against the float32 reference: ~5e-3 at these shapes on CPU; a bug gives order 1
 GP_MAX_REL_ERR = 2e-2
 
@@ -521,7 +520,8 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
         ref_us = time_call(jax.jit(gdn_prefill.reference), args, dims["repeats"], dims["inner"])
         _gp_line(lines, case, *gdn_prefill_cost(seq_lens, seq, dims), ref_us, "jnp reference (XLA)", "-", ref_us)
         for chunk, block_v, warps, stages in configs:
-            cost = gdn_prefill_cost(seq_lens, seq, dims, chunk or GP_DEFAULT_CHUNK)  # the kernel's own chunking
+            default_chunk = gdn_prefill.default_tiles(rows, dims["dv"])["chunk_size"]
+            cost = gdn_prefill_cost(seq_lens, seq, dims, chunk or default_chunk)  # the kernel's own chunking
             line = functools.partial(_gp_line, lines, case, *cost, ref_us)
             config = "defaults" if chunk is None else f"C={chunk} BV={block_v} w={warps} s={stages}"
             if time.perf_counter() > deadline:
@@ -552,15 +552,14 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
 def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
     """Microseconds of each of gdn_prefill's three launches alone, at its default configuration."""
     q, k, v, a, b, A_log, dt_bias, state, seq_lens = args
-    defaults = {name: p.default for name, p in inspect.signature(gdn_prefill.gdn_prefill).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    config = dict(chunk_size=defaults["chunk_size"], num_warps=defaults["num_warps"],
-                  num_stages=defaults["num_stages"], interpret=interpret)
+    tiles = gdn_prefill.default_tiles(q.shape[0], dims["dv"])
+    num_warps = inspect.signature(gdn_prefill.gdn_prefill).parameters["num_warps"].default
+    config = dict(chunk_size=tiles["chunk_size"], num_warps=num_warps, num_stages=tiles["num_stages"],
+                  interpret=interpret)
     seq_lens = jnp.minimum(seq_lens, q.shape[1])
     prepare = jax.jit(functools.partial(gdn_prefill.prepare_chunks, dtype=q.dtype, **config))
     w, u, k_end, cum = prepare(k, v, a, b, A_log, dt_bias, seq_lens)
-    states = jax.jit(functools.partial(gdn_prefill.chunk_states, block_v=defaults["block_v"] or min(64, dims["dv"]),
-                                       **config))
+    states = jax.jit(functools.partial(gdn_prefill.chunk_states, block_v=tiles["block_v"], **config))
     v_new, chunk_states, _ = states(w, u, k_end, cum, state, seq_lens)
     output = jax.jit(functools.partial(gdn_prefill.chunk_outputs, **config))
     timed = lambda fn, *inputs: time_call(fn, inputs, dims["repeats"], dims["inner"])

@@ -192,28 +192,37 @@ def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o
         pltriton.store(out_at, jnp.zeros((chunk, dv), F32), mask=in_bounds)
 
 
+def default_tiles(rows: int, dv: int) -> dict:
+    """(chunk_size, block_v, num_stages) by the number of prompts, from H200 runs at 35B-A3B shapes (GPU time,
+    BENCH_H200.md): one prompt has only nv * dv / block_v recurrence programs (64 at 64 columns, on 132 SMs), so it
+    takes chunks of 64 (half the sequential steps) and 32 value columns (twice the programs): 1 x 1,024 / 2,048 /
+    4,096 tokens 109 / 211 / 403 -> 88 / 167 / 312 us. From two prompts on, chunks of 32 and 64 columns were the
+    fastest or within 4%; at 4 x 512 and 8 x 1,024, chunks of 64 were 5-16% slower."""
+    if rows == 1:
+        return dict(chunk_size=64, block_v=min(32, dv), num_stages=3)
+    return dict(chunk_size=32, block_v=min(64, dv), num_stages=2)
+
+
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
-                dt_bias: jax.Array, state: jax.Array, seq_lens: jax.Array, *, chunk_size: int = 32,
-                block_v: int | None = None, num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+                dt_bias: jax.Array, state: jax.Array, seq_lens: jax.Array, *, chunk_size: int | None = None,
+                block_v: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Same contract as `reference`; outputs at padding tokens are exactly 0. The state is updated in place (donate
     it in the caller's jit to avoid a copy). Cost follows each row's seq_len: chunks past it are skipped.
     chunk_size, dk, dv and block_v (the value columns of one recurrence program): powers of two, at least 16
     (Triton's smallest dot; interpreted, only chunk_size); num_warps and num_stages apply to the three launches;
-    block_v None: min(64, dv). interpret=None interprets on CPU only. The defaults (chunk 32, 64 value columns, 4
-    warps, 2 stages) were the fastest configuration of pallas_kernels/bench.py on an H200 at 35B-A3B shapes, or
-    within its noise, at 2-64 prompts of 1,024 tokens; one 4,096-token prompt ran ~15% faster with chunks of 64 and
-    32 value columns (fewer steps, more programs), a size the engine's default 2,048-token prefill steps do not
-    reach."""
+    None: `default_tiles` for this many rows. interpret=None interprets on CPU only."""
     batch, seq, nk, dk = q.shape
     nv, dv = v.shape[2:]
-    block_v = block_v or min(64, dv)
+    given = dict(chunk_size=chunk_size, block_v=block_v, num_stages=num_stages)
+    tiles = default_tiles(batch, dv) | {name: value for name, value in given.items() if value is not None}
+    chunk_size, block_v, num_stages = tiles["chunk_size"], tiles["block_v"], tiles["num_stages"]
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    tiles = (chunk_size, dk, dv, block_v) if not interpret else (chunk_size,)  # Triton's dots need >= 16
+    dims = (chunk_size, dk, dv, block_v) if not interpret else (chunk_size,)  # Triton's dots need >= 16
     if nv % nk or dv % block_v or k.shape != q.shape or v.shape[:2] != (batch, seq) \
             or state.shape != (batch, nv, dk, dv) or state.dtype != F32 \
-            or any(n < 16 or n & (n - 1) for n in tiles):
+            or any(n < 16 or n & (n - 1) for n in dims):
         raise ValueError(f"gdn_prefill: q {q.shape}, v {v.shape}, state {state.shape} {state.dtype}, "
                          f"chunk_size {chunk_size}, block_v {block_v}")
     config = dict(chunk_size=chunk_size, num_warps=num_warps, num_stages=num_stages, interpret=interpret)

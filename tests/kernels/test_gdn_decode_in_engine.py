@@ -12,7 +12,7 @@ import pallas_kernels.skinny_matmul
 from qwen_jax.llm import LLM
 from qwen_jax.sampling_params import SamplingParams
 
-PROMPTS = [list(range(5, 65)), [3, 4], [7]]  # 60 tokens: a 48-token first prefill step (GDN chunks 32 + 16), then 12
+PROMPTS = [list(range(5, 65)), [3, 4], [7]]  # 60 tokens: a 48-token first prefill step, then 12 (state carried over)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,8 @@ def test_gpu_kernels_run_the_paged_attention_kernel_for_prefill_and_decode(outpu
 
 
 def test_gpu_kernels_run_the_gdn_prefill_kernel_for_prompts(outputs):
-    """Prompts prefill through the chunked kernel, one step spanning more than one 32-token GDN chunk."""
+    """Prompts prefill through the chunked kernel, one step of more than 32 tokens (one prompt alone in a step runs
+    chunks of 64: gdn_prefill.default_tiles)."""
     assert outputs["prefill_seq"] and min(outputs["prefill_seq"]) > 1 and max(outputs["prefill_seq"]) > 32
 
 

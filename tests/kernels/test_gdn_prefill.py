@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels.gdn_prefill import gdn_prefill, reference, select
+from pallas_kernels.gdn_prefill import default_tiles, gdn_prefill, reference, select
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # max |kernel - reference| / max |reference|; bf16: the kernel's dot
 # operands are bf16, the reference computes in float32 from the same (bf16) inputs
@@ -122,3 +122,28 @@ def test_gdn_prefill_lowers_to_three_triton_calls_for_cuda():
     assert text.count("num_warps = 8 : i32") == 3
     assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [2], operand_index = 5" \
         in text
+
+
+@pytest.mark.parametrize("batch, seq_lens", [(1, [150]), (2, [150, 37])])
+def test_default_tiles_by_prompt_count(batch, seq_lens):
+    """Without tiles given, one prompt runs chunks of 64 and 32 value columns, several prompts chunks of 32 and 64
+    columns (default_tiles); both match the reference across chunk boundaries."""
+    assert default_tiles(batch, 128) == (dict(chunk_size=64, block_v=32, num_stages=3) if batch == 1
+                                         else dict(chunk_size=32, block_v=64, num_stages=2))
+    inputs = make_inputs(9, batch, 150, 1, 2, 16, 32, seq_lens)
+    got_o, got_state = map(np.asarray, jax.jit(gdn_prefill)(**poison_padding(inputs)))
+    want_o, want_state = map(np.asarray, jax.jit(reference)(**inputs))
+    real = np.arange(150)[None, :] < np.asarray(seq_lens)[:, None]
+    assert rel_err(got_o[real], want_o[real]) < 1e-4 and rel_err(got_state, want_state) < 1e-4
+
+
+def test_one_prompt_lowers_with_chunks_of_64_and_32_value_columns():
+    s = jax.ShapeDtypeStruct
+    nk, nv, dk, dv = 16, 32, 128, 128
+    args = (s((1, 2048, nk, dk), jnp.bfloat16), s((1, 2048, nk, dk), jnp.bfloat16), s((1, 2048, nv, dv), jnp.bfloat16),
+            s((1, 2048, nv), jnp.bfloat16), s((1, 2048, nv), jnp.bfloat16), s((nv,), jnp.float32),
+            s((nv,), jnp.float32), s((1, nv, dk, dv), jnp.float32), s((1,), jnp.int32))
+    text = export.export(jax.jit(lambda *x: gdn_prefill(*x, interpret=False)), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    assert text.count("grid_x = 32 : i32, grid_y = 32 : i32, grid_z = 1 : i32") == 2  # 2,048 / 64 chunks
+    assert "grid_x = 4 : i32, grid_y = 32 : i32, grid_z = 1 : i32" in text  # 128 / 32 value blocks
