@@ -1,7 +1,7 @@
 """GPU benchmark of the Pallas kernels against their jnp references (`python -m pallas_kernels.bench`): time, achieved
 bandwidth (and TFLOP/s for the MoE GEMM and attention) and on-device error per shape, as markdown tables. Never writes
 files and never touches the model. `--only gdn`, `--only gdn_prefill`, `--only moe` or `--only paged_attention` runs
-one kernel.
+one kernel; `--only skinny_matmul` the one-row projections.
 
 Exit status: 0 when every kernel configuration lowered, ran and matched its reference; 1 otherwise (the reference
 timings are printed either way); 2 when there is no GPU and --small was not given.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gdn_prefill, moe_gemm, paged_attention
+from pallas_kernels import gdn_prefill, moe_gemm, paged_attention, skinny_matmul
 from pallas_kernels.gdn_decode import gdn_decode, reference
 from qwen_jax.layers.mlp import route, sparse_moe
 
@@ -568,6 +568,42 @@ def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
             "gdn_prefill_output": timed(output, q, k, cum, v_new, chunk_states, seq_lens)}
 
 
+# ---- one-row projections ---------------------------------------------------------------------------------------
+# [K, N] of the 35B-A3B projections a decode step of one sequence runs: GDN q/k, v/z, out; attention q/gate, k/v, o;
+# shared expert gate/up, down; router; and the GDN input projections as one 50 MB weight.
+SKINNY_FULL = ((2048, 2048), (2048, 4096), (4096, 2048), (2048, 512), (512, 2048), (2048, 256), (2048, 12288))
+SKINNY_SMALL = ((64, 64), (128, 96))
+SKINNY_MAX_REL_ERR = 1e-2  # bf16 out; float32 sums in another order, nothing else
+
+
+def bench_skinny_matmul(shapes: tuple, interpret: bool, failures: list) -> str:
+    """x [1, K] @ w [K, N] rounded to bf16, as the layers' dense op does: XLA's dot (a reduction fusion at one row)
+    against the kernel, GPU time from the profiler (gpu_us; NaN on the CPU)."""
+    lines = ["| K x N | weight MB | XLA us | kernel us | TB/s | of 4.3 TB/s | vs XLA | rel err | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for k, n in shapes:
+        keys = jax.random.split(jax.random.key(k * 7 + n), 2)
+        x = jax.random.normal(keys[0], (1, k)).astype(jnp.bfloat16)
+        w = (jax.random.normal(keys[1], (k, n)) * 0.02).astype(jnp.bfloat16)
+        xla = jax.jit(lambda x, w: skinny_matmul.reference(x, w).astype(jnp.bfloat16))
+        kernel = jax.jit(lambda x, w: skinny_matmul.matmul(x, w, interpret=interpret).astype(jnp.bfloat16))
+        note = ""
+        try:
+            want, got = (np.asarray(f(x, w), np.float64) for f in (xla, kernel))
+            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            note = "" if err < SKINNY_MAX_REL_ERR else f"rel err above {SKINNY_MAX_REL_ERR:g}"
+            xla_us, us = (gpu_us(functools.partial(f, x, w)) for f in (xla, kernel))
+        except Exception as e:  # a lowering or compile error: report it and keep going
+            err, xla_us, us, note = float("nan"), float("nan"), float("nan"), failure_note(e, f"skinny {k}x{n}")
+        if note:
+            failures.append(f"skinny_matmul {k}x{n}: {note}")
+        mb = k * n * 2 / 1e6
+        lines.append(f"| {k} x {n} | {mb:.1f} | {xla_us:.1f} | {us:.1f} | {mb / us:.2f} | {mb / us / PEAK_TBS:.0%} "
+                     f"| {xla_us / us:.2f}x | {err:.1e} | {note} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
@@ -576,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--defaults-only", action="store_true", help="gdn_prefill: the default configuration only "
                         "(and each launch alone)")
     parser.add_argument("--moe-tokens", help="moe: comma-separated token counts instead of the full list")
-    parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention"), help="benchmark one kernel")
+    parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention", "skinny_matmul"),
+                        help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     backend = jax.default_backend()
@@ -624,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
                                  gp_start + args.budget_s, failures)
         print(f"\n### gdn_prefill on {jax.devices()[0].device_kind} ({time.perf_counter() - gp_start:.0f} s)"
               f"\n\n{text}\n")
+    if args.only in (None, "skinny_matmul"):
+        print("\nskinny_matmul: one row, bf16; GPU time per call (profiler)", flush=True)
+        text = bench_skinny_matmul(SKINNY_SMALL if args.small else SKINNY_FULL, interpret, failures)
+        print(f"\n### skinny_matmul on {jax.devices()[0].device_kind}\n\n{text}\n")
     return _report(failures)
 
 

@@ -55,14 +55,26 @@ def test_refuses_what_it_cannot_tile():
     ((1, 1, 4, 16), (4, 16, 64), 2, True),   # its output projection [B, S, heads, D] x [heads, D, H]
     ((2, 1, 64), (64, 4, 16), 1, False),     # two rows: XLA's GEMM is as fast (BENCH_H200.md)
     ((1, 64), (64, 1), 1, False),            # one output column (the shared expert's gate): not a tile
+    ((1, 32), (32, 64), 1, False),           # K below MIN_K (here 64): XLA's reduction is as fast
 ])
 def test_dense_runs_the_kernel_for_one_row_only(x_shape, w_shape, contract, kernel, monkeypatch):
     calls = []
+    monkeypatch.setattr(skinny, "MIN_K", 64)  # the real 1,024 at these small shapes
     monkeypatch.setattr(skinny, "matmul", lambda *a, **kw: calls.append(1) or matmul(*a, **kw))
     x, w = normal(1, x_shape), normal(2, w_shape, 0.1)
     got, want = dense(x, w, contract), dense_reference(x, w, contract)
     assert got.shape == want.shape and got.dtype == jnp.float32 and bool(calls) == kernel
     assert rel_err(got, want) < 1e-5
+
+
+def test_dense_leaves_short_contractions_to_xla(monkeypatch):
+    """At the real MIN_K: the shared expert's down projection (K 512) stays on XLA, K 2,048 runs the kernel."""
+    calls = []
+    monkeypatch.setattr(skinny, "matmul", lambda x, *a, **kw: calls.append(x.shape[1]) or matmul(x, *a, **kw))
+    for k in (512, 2048):
+        x, w = normal(k, (1, k)), normal(k + 1, (k, 64), 0.05)
+        assert rel_err(dense(x, w), dense_reference(x, w)) < 1e-5
+    assert calls == [2048]
 
 
 def test_lowers_to_one_triton_call_for_cuda():
