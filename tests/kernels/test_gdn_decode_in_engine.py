@@ -18,18 +18,24 @@ PROMPTS = [list(range(5, 65)), [3, 4], [7]]  # 60 tokens: a 48-token first prefi
 @pytest.fixture(scope="module")
 def outputs():
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
-    result, attention_seq, prefill_seq = {}, [], []
+    result, attention_seq, prefill_seq, skinny_rows = {}, [], [], []
     kernel = pallas_kernels.paged_attention.paged_attention
     spy = lambda q, *args, **kwargs: attention_seq.append(q.shape[1]) or kernel(q, *args, **kwargs)
     prefill = pallas_kernels.gdn_prefill.gdn_prefill
     prefill_spy = lambda q, *args, **kwargs: prefill_seq.append(q.shape[1]) or prefill(q, *args, **kwargs)
+    skinny = pallas_kernels.skinny_matmul.matmul
+    skinny_spy = lambda x, *args, **kwargs: skinny_rows.append(x.shape[0]) or skinny(x, *args, **kwargs)
     for kernels in ("reference", "gpu"):
         llm = LLM(None, max_num_seqs=4, max_model_len=96, kernels=kernels, dtype="float32")
         with pytest.MonkeyPatch.context() as patch:  # records each trace of the kernels (query length)
             patch.setattr(pallas_kernels.paged_attention, "paged_attention", spy)
             patch.setattr(pallas_kernels.gdn_prefill, "gdn_prefill", prefill_spy)
+            patch.setattr(pallas_kernels.skinny_matmul, "matmul", skinny_spy)
+            patch.setattr(pallas_kernels.skinny_matmul, "MIN_K", 16)  # the built-in model's K is 64, not 1,024+
             result[kernels] = llm.generate(PROMPTS, params)
-    result["attention_seq"], result["prefill_seq"] = attention_seq, prefill_seq
+            # alone, a sequence decodes one row a step: the one-row projection kernel's case
+            result[kernels, "alone"] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))
+    result["attention_seq"], result["prefill_seq"], result["skinny_rows"] = attention_seq, prefill_seq, skinny_rows
     return result
 
 
@@ -56,20 +62,11 @@ def test_gpu_kernels_give_close_logprobs(outputs):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_one_sequence_decodes_through_the_one_row_projection_kernel():
+def test_one_sequence_decodes_through_the_one_row_projection_kernel(outputs):
     """Alone, a sequence decodes one row a step: its projections run the skinny matmul kernel, same tokens."""
-    params = SamplingParams(max_tokens=6, temperature=0.0)
-    rows, kernel = [], pallas_kernels.skinny_matmul.matmul
-    tokens = {}
-    for kernels in ("reference", "gpu"):
-        llm = LLM(None, max_num_seqs=2, max_model_len=96, kernels=kernels, dtype="float32")
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(pallas_kernels.skinny_matmul, "MIN_K", 16)  # the built-in model's K is 64, not 1,024+
-            patch.setattr(pallas_kernels.skinny_matmul, "matmul",
-                          lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw))
-            tokens[kernels] = llm.generate([PROMPTS[0]], params)[0].token_ids
-    assert rows and set(rows) == {1}  # traced for the one-row decode step only
-    assert tokens["gpu"] == tokens["reference"] and len(tokens["gpu"]) == 6
+    assert outputs["skinny_rows"] and set(outputs["skinny_rows"]) == {1}  # traced for one-row decode steps only
+    ref, fast = outputs["reference", "alone"][0], outputs["gpu", "alone"][0]
+    assert fast.token_ids == ref.token_ids and len(fast.token_ids) == 6
 
 
 def test_unknown_kernels_name_is_rejected():
