@@ -275,11 +275,15 @@ def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, 
 MIN_PROGRAMS = 256  # weight-streaming kernels split their contraction until this many programs run
 
 
-def split_contraction(programs: int, steps: int, want: int = MIN_PROGRAMS) -> int:
+def split_contraction(programs: int, steps: int, split_k: int | None = None, want: int = MIN_PROGRAMS) -> int:
     """How many slices a weight-streaming kernel of `programs` programs splits its contraction (`steps` steps of
-    block_k) into: the fewest powers of two that give `want` programs, each slice a whole number of steps. At one
-    token (8 pairs x 8 column blocks = 64 programs) too few programs run to stream the weights at full bandwidth
-    (132 SMs on an H200)."""
+    block_k) into: `split_k` when given (checked to cut no step), else the fewest powers of two that give `want`
+    programs, each slice a whole number of steps. At one token (8 pairs x 8 column blocks = 64 programs) too few
+    programs run to stream the weights at full bandwidth (132 SMs on an H200)."""
+    if split_k is not None:
+        if split_k < 1 or steps % split_k:
+            raise ValueError(f"split_k {split_k} does not divide the {steps} steps of the contraction")
+        return split_k
     split = 1
     while programs * split < want and steps % (2 * split) == 0:
         split *= 2
@@ -304,10 +308,7 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
     by_pair = pairs < num_local  # a program per pair (its expert's first) rather than one per local expert
     programs = pairs if by_pair else num_local
     bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
-    if split_k is None:
-        split_k = split_contraction(programs * (inter // bn), hidden // bk)
-    if hidden // bk % split_k:
-        raise ValueError(f"moe_gemm: split_k {split_k} does not divide the {hidden // bk} steps of {bk} of H {hidden}")
+    split_k = split_contraction(programs * (inter // bn), hidden // bk, split_k)
     h_shapes = (jax.ShapeDtypeStruct((pairs, inter), x.dtype),) if split_k == 1 else \
         (jax.ShapeDtypeStruct((split_k, pairs, inter), jnp.float32),) * 2  # gate, up partial sums
     gate_up = _call(functools.partial(_few_gate_up_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair,

@@ -62,9 +62,7 @@ def matmul(x: jax.Array, w: jax.Array, *, block_n: int = 128, block_k: int = 64,
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     steps = k // block_k
-    split = split_k or split_contraction(n // block_n, steps)
-    if steps % split:
-        raise ValueError(f"skinny_matmul: split_k {split} does not divide the {steps} steps of {block_k} of K {k}")
+    split = split_contraction(n // block_n, steps, split_k)
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     parts = pl.pallas_call(
         functools.partial(_kernel, rows=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, block_k=block_k,

@@ -130,7 +130,7 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_o
     slots, seq_lens = batch["state_slots"], batch["seq_lens"]
     fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
     keep = lambda t: jnp.where(fresh.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.zeros_like(t), t)  # noqa: E731
-    proj = lambda w: dense_op(x, w).astype(x.dtype)  # noqa: E731
+    proj = lambda w: linear(x, w, dense_op)  # noqa: E731
     q, new_conv_q = causal_conv(proj(p["q"]), keep(cache["conv_q"][slots]), p["conv_q"], seq_lens)
     k, new_conv_k = causal_conv(proj(p["k"]), keep(cache["conv_k"][slots]), p["conv_k"], seq_lens)
     v, new_conv_v = causal_conv(proj(p["v"]), keep(cache["conv_v"][slots]), p["conv_v"], seq_lens)
