@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
 export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0
-PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server restart} "  # also: gdn_prefill one_batch latency_4b multi_gpu
+PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server restart} "  # also: gdn_prefill one_batch latency_4b multi_gpu_steps multi_gpu_dp
 part() { [[ "$PARTS" == *" $1 "* ]] || return 1; echo "== $1 ($(date +%T))"; }
 
 if part kernels; then
@@ -93,16 +93,25 @@ if part latency_4b; then  # single-request latency of the dense hybrid (Qwen3.5-
   ./start.sh --stop
 fi
 
-if part multi_gpu; then  # 2 GPUs (nvidia-h200-x2): issue 5's TP=2 / EP=2 step times with both op sets, DP=2 batches
-  for layout in "--tensor-parallel-size 2" "--tensor-parallel-size 2 --enable-expert-parallel"; do
-    for k in ${STEP_KERNELS:-gpu reference}; do
+# 2 GPUs (nvidia-h200-x2), issue 5. Two parts, each fits one 10-minute call:
+# multi_gpu_steps: decode/prefill step times on one GPU, TP=2 and EP=2 (GPU busy time too: --profile);
+# multi_gpu_dp: the same batches through the engine on one replica and on 2 (B=64: 32 rows per replica).
+if part multi_gpu_steps; then
+  for layout in "--tensor-parallel-size 1" "--tensor-parallel-size 2" "--tensor-parallel-size 2 --enable-expert-parallel"; do
+    for k in ${STEP_KERNELS:-gpu}; do
       name="$(echo "$layout" | tr -d ' -')_$k"
-      timeout "${T_STEP:-150}" python3 -m qwen_jax.bench.step_profile --config "$MODEL/config.json" --batches 1,64 \
-        --context 1024 --kernels $k --prefill 2048 --no-layers $layout > "$OUT/step_profile_$name.txt" 2>&1
-      echo "$name"; grep '^{"mesh\|^{"layers\|^{"prefill' "$OUT/step_profile_$name.txt" || tail -5 "$OUT/step_profile_$name.txt"
+      devices=$([[ "$layout" == *"size 1"* ]] && echo 0 || echo "${CUDA_VISIBLE_DEVICES:-0,1}")
+      CUDA_VISIBLE_DEVICES=$devices timeout "${T_STEP:-180}" python3 -m qwen_jax.bench.step_profile \
+        --config "$MODEL/config.json" --batches 1,64 --context 1024 --kernels $k --prefill 2048 --no-layers --profile \
+        $layout > "$OUT/step_profile_$name.txt" 2>&1
+      echo "$name"; grep '^{"mesh\|^{"layers\|^{"prefill' "$OUT/step_profile_$name.txt" | cut -c1-700 \
+        || tail -5 "$OUT/step_profile_$name.txt"
     done
   done
-  for dp in 1 2; do  # the same batches on one GPU and on 2 replicas (B=64: 32 rows per replica)
+fi
+
+if part multi_gpu_dp; then
+  for dp in 1 2; do
     timeout "${T_ONE_BATCH:-200}" python3 -m qwen_jax.bench.engine --config "$MODEL/config.json" --device cuda \
       --mode one-batch --batch "${BATCHES:-1,64}" --input-len 1024 --output-len 64 --warmup 1 \
       --kernels "${KERNELS:-gpu}" --data-parallel-size $dp --results "$OUT/RESULTS.json" --device-name H200 \
