@@ -571,35 +571,48 @@ def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
 # ---- one-row projections ---------------------------------------------------------------------------------------
 # [K, N] of the 35B-A3B projections a decode step of one sequence runs: GDN q/k, v/z, out; attention q/gate, k/v, o;
 # shared expert gate/up, down; router; and the GDN input projections as one 50 MB weight.
-SKINNY_FULL = ((2048, 2048), (2048, 4096), (4096, 2048), (2048, 512), (512, 2048), (2048, 256), (2048, 12288))
-SKINNY_SMALL = ((64, 64), (128, 96))
+# (K, widths): one x [1, K] through weights [K, N] side by side, the projections a layer takes of one x. Single
+# widths: the projections with one weight of their own shape; then 35B-A3B's groups: a GDN layer's q/k/v/z, an
+# attention layer's q/k/v/gate, an MoE layer's router and shared-expert gate/up.
+SKINNY_FULL = ((2048, (2048,)), (2048, (4096,)), (4096, (2048,)), (2048, (512,)), (512, (2048,)), (2048, (256,)),
+               (2048, (12288,)), (2048, (2048, 2048, 4096, 4096)), (2048, (4096, 512, 512, 4096)),
+               (2048, (256, 512, 512)))
+SKINNY_SMALL = ((64, (64,)), (128, (96,)), (128, (32, 64, 32)))
 SKINNY_MAX_REL_ERR = 1e-2  # bf16 out; float32 sums in another order, nothing else
 
 
+def _rounded(outs) -> tuple:
+    return tuple(o.astype(jnp.bfloat16) for o in outs)
+
+
 def bench_skinny_matmul(shapes: tuple, interpret: bool, failures: list) -> str:
-    """x [1, K] @ w [K, N] rounded to bf16, as the layers' dense op does: XLA's dot (a reduction fusion at one row)
-    against the kernel, GPU time from the profiler (gpu_us; NaN on the CPU)."""
-    lines = ["| K x N | weight MB | XLA us | kernel us | TB/s | of 4.3 TB/s | vs XLA | rel err | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for k, n in shapes:
-        keys = jax.random.split(jax.random.key(k * 7 + n), 2)
+    """x [1, K] @ each w [K, N] rounded to bf16, as the layers' dense op does: XLA's dots (reduction fusions at one
+    row) against the kernel launched once per weight and once for all of them (matmul_many), GPU time from the
+    profiler (gpu_us; NaN on the CPU)."""
+    lines = ["| K x N | weight MB | XLA us | kernel per weight us | one launch us | TB/s | of 4.3 TB/s | vs XLA "
+             "| rel err | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for k, widths in shapes:
+        keys = jax.random.split(jax.random.key(k * 7 + sum(widths)), 1 + len(widths))
         x = jax.random.normal(keys[0], (1, k)).astype(jnp.bfloat16)
-        w = (jax.random.normal(keys[1], (k, n)) * 0.02).astype(jnp.bfloat16)
-        xla = jax.jit(lambda x, w: skinny_matmul.reference(x, w).astype(jnp.bfloat16))
-        kernel = jax.jit(lambda x, w: skinny_matmul.matmul(x, w, interpret=interpret).astype(jnp.bfloat16))
-        note = ""
+        ws = tuple((jax.random.normal(key, (k, n)) * 0.02).astype(jnp.bfloat16) for key, n in zip(keys[1:], widths))
+        xla = jax.jit(lambda x, *ws: _rounded(skinny_matmul.reference(x, w) for w in ws))
+        apart = jax.jit(lambda x, *ws: _rounded(skinny_matmul.matmul(x, w, interpret=interpret) for w in ws))
+        fused = jax.jit(lambda x, *ws: _rounded(skinny_matmul.matmul_many(x, ws, interpret=interpret)))
+        label, note = f"{k} x {' + '.join(map(str, widths))}", ""
         try:
-            want, got = (np.asarray(f(x, w), np.float64) for f in (xla, kernel))
-            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            want = np.concatenate([np.asarray(o, np.float64) for o in xla(x, *ws)], axis=1)
+            err = max(float(np.max(np.abs(np.concatenate([np.asarray(o, np.float64) for o in f(x, *ws)], axis=1)
+                                           - want)) / np.max(np.abs(want))) for f in (apart, fused))
             note = "" if err < SKINNY_MAX_REL_ERR else f"rel err above {SKINNY_MAX_REL_ERR:g}"
-            xla_us, us = (gpu_us(functools.partial(f, x, w)) for f in (xla, kernel))
+            xla_us, apart_us, us = (gpu_us(functools.partial(f, x, *ws)) for f in (xla, apart, fused))
         except Exception as e:  # a lowering or compile error: report it and keep going
-            err, xla_us, us, note = float("nan"), float("nan"), float("nan"), failure_note(e, f"skinny {k}x{n}")
+            err, xla_us, apart_us, us = (float("nan"),) * 4
+            note = failure_note(e, f"skinny {label}")
         if note:
-            failures.append(f"skinny_matmul {k}x{n}: {note}")
-        mb = k * n * 2 / 1e6
-        lines.append(f"| {k} x {n} | {mb:.1f} | {xla_us:.1f} | {us:.1f} | {mb / us:.2f} | {mb / us / PEAK_TBS:.0%} "
-                     f"| {xla_us / us:.2f}x | {err:.1e} | {note} |")
+            failures.append(f"skinny_matmul {label}: {note}")
+        mb = k * sum(widths) * 2 / 1e6
+        lines.append(f"| {label} | {mb:.1f} | {xla_us:.1f} | {apart_us:.1f} | {us:.1f} | {mb / us:.2f} "
+                     f"| {mb / us / PEAK_TBS:.0%} | {xla_us / us:.2f}x | {err:.1e} | {note} |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
 

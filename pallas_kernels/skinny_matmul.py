@@ -6,13 +6,16 @@ TB/s on an H200; from two rows on it emits a GEMM, as fast as this kernel or fas
 one sequence those fusions took ~5 of the 8.4 ms of GPU time (BENCH_H200.md). The kernel streams the weight: each
 program takes a block of columns (and, where that leaves too few programs to keep every SM streaming, one slice of
 the contraction), runs the rows as one [16, K] tile through the tensor cores, and stores float32 partial sums
-[slices, M, N] that XLA adds up (a sum it fuses into whatever follows). Same Triton lowering as
+[slices, M, N] that XLA adds up (a sum it fuses into whatever follows). Several weights of one x (a layer's q/k/v/z
+projections) run side by side as one launch: one 50 MB stream at 3.9 TB/s instead of four 8-16 MB ones at 2-3 TB/s
+and four partial sums (BENCH_H200.md, ninth session). Same Triton lowering as
 pallas_kernels/moe_gemm.py's few-token kernels, so the same source runs on the CPU in interpret mode.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -31,55 +34,92 @@ def reference(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, w_ref, out_ref, *, rows: int, block_n: int, block_k: int, steps: int):
-    """Program (n, s): every row of x through column block n of w over contraction slice s -> out[s, :, block n]."""
+def _kernel(x_ref, *refs, rows: int, block_n: int, block_k: int, steps: int, bounds: tuple[int, ...]):
+    """Program (n, s): every row of x through column block n of the weights side by side, over contraction slice s
+    -> out[s, :, block n]. Weight i holds column blocks bounds[i] .. bounds[i + 1] - 1; a program reads only its
+    own weight (one branch per weight, none when there is one)."""
+    *w_refs, out_ref = refs
     n, s = pl.program_id(0), pl.program_id(1)
     num_rows = x_ref.shape[0]
     row = jnp.arange(rows, dtype=jnp.int32)
     clipped = jnp.minimum(row, num_rows - 1)[:, None]  # padding rows repeat the last row: finite, never stored
-    cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
 
-    def body(i, acc):
-        k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
-        x = x_ref[clipped, k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]]
-        return acc + jnp.dot(x, w_ref[pl.ds(k0, block_k), cols], preferred_element_type=jnp.float32)
+    def run(w_ref, start):
+        cols = pl.ds(pl.multiple_of((n - start) * block_n, block_n), block_n)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, block_n), jnp.float32))
-    col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
-    pltriton.store(out_ref.at[s, row[:, None], col], acc, mask=(row < num_rows)[:, None])
+        def body(i, acc):
+            k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
+            x = x_ref[clipped, k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]]
+            return acc + jnp.dot(x, w_ref[pl.ds(k0, block_k), cols], preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, block_n), jnp.float32))
+        col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
+        pltriton.store(out_ref.at[s, row[:, None], col], acc, mask=(row < num_rows)[:, None])
+
+    if len(w_refs) == 1:
+        run(w_refs[0], 0)
+        return
+    for w_ref, start, end in zip(w_refs, bounds, bounds[1:]):
+        pl.when((n >= start) & (n < end))(functools.partial(run, w_ref, start))
 
 
-def matmul(x: jax.Array, w: jax.Array, *, block_n: int = 128, block_k: int = 64, split_k: int | None = None,
-           num_warps: int = 8, num_stages: int = 4, interpret: bool | None = None) -> jax.Array:
-    """Same contract as `reference` for x [M <= MAX_ROWS, K], w [K, N] (K, N multiples of 16). Tiles shrink to
-    divide K and N; split_k: slices of the contraction (None: moe_gemm.split_contraction). Default tiles: the
-    fastest or tied at every 35B-A3B projection shape of one row (H200, BENCH_H200.md). interpret=None interprets
-    on CPU only."""
-    (num_rows, k), n = x.shape, w.shape[1]
+def matmul(x: jax.Array, w: jax.Array, **tiles) -> jax.Array:
+    """Same contract as `reference` for x [M <= MAX_ROWS, K], w [K, N] (K, N multiples of 16): matmul_many of one
+    weight."""
+    return matmul_many(x, (w,), **tiles)[0]
+
+
+def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, block_k: int = 64,
+                split_k: int | None = None, num_warps: int = 8, num_stages: int = 4,
+                interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """`reference(x, w)` for each w of ws (each [K, N_i]) as one kernel over their columns side by side: one launch
+    and one stream of all the weights instead of one per weight (a layer's q/k/v/z projections: four 4-16 MB
+    weights, each too small to reach full bandwidth alone). Tiles shrink to divide K and every N_i; split_k: slices
+    of the contraction (None: moe_gemm.split_contraction over all the column blocks). Default tiles: the fastest or
+    tied at every 35B-A3B projection shape of one row (H200, BENCH_H200.md). interpret=None interprets on CPU
+    only."""
+    (num_rows, k), widths = x.shape, [w.shape[1] for w in ws]
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul: x has {num_rows} rows; the kernel takes 1 to {MAX_ROWS}")
-    block_n, block_k = _tile(n, block_n), _tile(k, block_k)
+    if any(w.shape[0] != k for w in ws):
+        raise ValueError(f"skinny_matmul: weights {[w.shape for w in ws]} do not all contract x's {k} columns")
+    block_n, block_k = _tile(math.gcd(*widths), block_n), _tile(k, block_k)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    bounds = tuple(itertools.accumulate((n // block_n for n in widths), initial=0))
     steps = k // block_k
-    split = split_contraction(n // block_n, steps, split_k)
+    split = split_contraction(bounds[-1], steps, split_k)
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     parts = pl.pallas_call(
         functools.partial(_kernel, rows=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, block_k=block_k,
-                          steps=steps // split),
-        out_shape=jax.ShapeDtypeStruct((split, num_rows, n), jnp.float32), grid=(n // block_n, split),
-        interpret=interpret, compiler_params=params, name="skinny_matmul")(x, w)
-    return parts.sum(axis=0) if split > 1 else parts[0]
+                          steps=steps // split, bounds=bounds),
+        out_shape=jax.ShapeDtypeStruct((split, num_rows, bounds[-1] * block_n), jnp.float32),
+        grid=(bounds[-1], split), interpret=interpret, compiler_params=params, name="skinny_matmul")(x, *ws)
+    out = parts.sum(axis=0) if split > 1 else parts[0]
+    return tuple(out[:, a * block_n:b * block_n] for a, b in zip(bounds, bounds[1:]))
 
 
 MIN_K = 1024  # below, XLA's one-row reduction is as fast: [512, 2048] took 2 us in XLA, 3 us in the kernel
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
-    """The layers' `dense` op (qwen_jax.layers.mlp.dense: x's last `contract` dims against w's first) on this
-    kernel where it pays, one row, K >= MIN_K, K and N multiples of 16; elsewhere the reference (XLA)."""
-    lead, out = x.shape[:x.ndim - contract], w.shape[contract:]
-    rows, k, n = math.prod(lead), math.prod(x.shape[x.ndim - contract:]), math.prod(out)
-    if rows != 1 or k < MIN_K or k % 16 or n % 16:
+FUSED_N = 128  # weights fuse into one launch when their widths are whole 128-column tiles (no tile shrinks)
+
+
+def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1):
+    """The layers' `dense` op (qwen_jax.layers.mlp.dense: x's last `contract` dims against w's first; a tuple of
+    weights gives a tuple) on this kernel where it pays: one row, K >= MIN_K, K and N multiples of 16. The weights
+    of a tuple whose widths are multiples of FUSED_N share one launch; elsewhere the reference (XLA)."""
+    ws = w if isinstance(w, tuple) else (w,)
+    lead = x.shape[:x.ndim - contract]
+    rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract:])
+    widths = [math.prod(wi.shape[contract:]) for wi in ws]
+    if rows != 1 or k < MIN_K or k % 16:
         return dense_reference(x, w, contract)
-    return matmul(x.reshape(rows, k), w.reshape(k, n)).reshape(*lead, *out)
+    flat = x.reshape(rows, k)
+    fused = [i for i, n in enumerate(widths) if n % FUSED_N == 0] if len(ws) > 1 else []
+    outs = dict(zip(fused, matmul_many(flat, tuple(ws[i].reshape(k, widths[i]) for i in fused)))) if fused else {}
+    for i, (wi, n) in enumerate(zip(ws, widths)):
+        if i not in outs:
+            outs[i] = matmul(flat, wi.reshape(k, n)) if n % 16 == 0 else dense_reference(flat, wi.reshape(k, n))
+    out = tuple(outs[i].reshape(*lead, *wi.shape[contract:]) for i, wi in enumerate(ws))
+    return out if isinstance(w, tuple) else out[0]

@@ -12,12 +12,12 @@ from qwen_jax.layers.norms import rms_norm
 from qwen_jax.layers.rope import apply_rope
 
 
-def _proj(x: jax.Array, w: jax.Array, bias: jax.Array | None, dense_op=dense) -> jax.Array:
-    """[B, S, H] x [H, heads, D] -> [B, S, heads, D], float32 accumulation."""
-    out = dense_op(x, w)
-    if bias is not None:
-        out = out + bias.astype(jnp.float32)
-    return out.astype(x.dtype)
+def _projections(x: jax.Array, p: dict, names: tuple[str, ...], dense_op=dense) -> tuple[jax.Array, ...]:
+    """[B, S, H] x each [H, heads, D] of p[names] -> [B, S, heads, D], float32 accumulation plus the bias where p
+    has one (`<name>_bias`), rounded to x's dtype. One `dense` call: one launch for the one-row kernel."""
+    outs = dense_op(x, tuple(p[n] for n in names))
+    return tuple((out if f"{n}_bias" not in p else out + p[f"{n}_bias"].astype(jnp.float32)).astype(x.dtype)
+                 for n, out in zip(names, outs))
 
 
 def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array,
@@ -63,9 +63,8 @@ def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_fr
     `attend`, `dense_op`: paged_attention and the projections' dense, or kernels with their contracts (layers/ops.py
     picks)."""
     positions, valid = batch["positions"], batch["valid"]
-    q = _proj(x, p["q"], p.get("q_bias"), dense_op)
-    k = _proj(x, p["k"], p.get("k_bias"), dense_op)
-    v = _proj(x, p["v"], p.get("v_bias"), dense_op)
+    q, k, v, *gate = _projections(x, p, ("q", "k", "v", "gate") if cfg.attn_output_gate else ("q", "k", "v"),
+                                  dense_op)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
@@ -75,8 +74,8 @@ def attention_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, inv_fr
     v_cache = write_kv(cache["v"], v, positions, valid, batch["block_tables"])
     out = attend(q, k_cache, v_cache, positions, batch["context_lens"], batch["block_tables"], cfg.head_dim ** -0.5)
     if cfg.attn_output_gate:
-        gate = _proj(x, p["gate"], None, dense_op).astype(jnp.float32)
-        out = out * jax.nn.sigmoid(gate).astype(out.dtype)  # sigmoid in float32 and rounded once, as torch does
+        # sigmoid in float32 and rounded once, as torch does
+        out = out * jax.nn.sigmoid(gate[0].astype(jnp.float32)).astype(out.dtype)
     out = dense_op(out, p["o"], 2)
     if "o_bias" in p:
         out = out + p["o_bias"].astype(jnp.float32)

@@ -7,7 +7,7 @@ Reference math for pallas_kernels/gdn_*; state slots are read and written only a
 import jax
 import jax.numpy as jnp
 
-from qwen_jax.layers.mlp import dense, linear
+from qwen_jax.layers.mlp import dense, linear, linears
 from qwen_jax.layers.norms import gated_rms_norm
 
 CHUNK_SIZE = 64
@@ -130,12 +130,10 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_o
     slots, seq_lens = batch["state_slots"], batch["seq_lens"]
     fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
     keep = lambda t: jnp.where(fresh.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.zeros_like(t), t)  # noqa: E731
-    proj = lambda w: linear(x, w, dense_op)  # noqa: E731
-    q, new_conv_q = causal_conv(proj(p["q"]), keep(cache["conv_q"][slots]), p["conv_q"], seq_lens)
-    k, new_conv_k = causal_conv(proj(p["k"]), keep(cache["conv_k"][slots]), p["conv_k"], seq_lens)
-    v, new_conv_v = causal_conv(proj(p["v"]), keep(cache["conv_v"][slots]), p["conv_v"], seq_lens)
-    z = proj(p["z"])  # [B, S, Hv, Dv]
-    b, a = proj(p["b"]), proj(p["a"])  # [B, S, Hv]
+    q, k, v, z, b, a = linears(x, tuple(p[n] for n in "qkvzba"), dense_op)  # z: [B, S, Hv, Dv]; b, a: [B, S, Hv]
+    q, new_conv_q = causal_conv(q, keep(cache["conv_q"][slots]), p["conv_q"], seq_lens)
+    k, new_conv_k = causal_conv(k, keep(cache["conv_k"][slots]), p["conv_k"], seq_lens)
+    v, new_conv_v = causal_conv(v, keep(cache["conv_v"][slots]), p["conv_v"], seq_lens)
 
     out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], slots, fresh, seq_lens)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)

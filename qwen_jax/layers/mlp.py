@@ -7,9 +7,12 @@ import jax
 import jax.numpy as jnp
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1):
     """x's last `contract` dims against w's first ones, float32 accumulation and result: the layers' projections
-    (their `dense` op; pallas_kernels/skinny_matmul.py is its kernel for one row)."""
+    (their `dense` op; pallas_kernels/skinny_matmul.py is its kernel for one row). A tuple of weights (projections
+    of the same x) gives a tuple of results, which a kernel may compute in one launch."""
+    if isinstance(w, tuple):
+        return tuple(dense(x, wi, contract) for wi in w)
     return jnp.tensordot(x, w, contract, preferred_element_type=jnp.float32)
 
 
@@ -18,25 +21,35 @@ def linear(x: jax.Array, w: jax.Array, dense_op=dense) -> jax.Array:
     return dense_op(x, w).astype(x.dtype)
 
 
+def linears(x: jax.Array, ws: tuple[jax.Array, ...], dense_op=dense) -> tuple[jax.Array, ...]:
+    """`linear` of each weight in ws, through one `dense` call (one launch for the one-row kernel)."""
+    return tuple(y.astype(x.dtype) for y in dense_op(x, tuple(ws)))
+
+
 def silu(x: jax.Array) -> jax.Array:
     """SiLU in float32, rounded once to x's dtype (as torch does for bf16; x * sigmoid(x) in bf16 rounds twice)."""
     return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, dense_op=dense) -> jax.Array:
-    return linear(silu(linear(x, w_gate, dense_op)) * linear(x, w_up, dense_op), w_down, dense_op)
+    gate, up = linears(x, (w_gate, w_up), dense_op)
+    return linear(silu(gate) * up, w_down, dense_op)
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool, dense_op=dense
           ) -> tuple[jax.Array, jax.Array]:
     """Softmax over all experts in float32, keep the top k, optionally renormalise.
     Returns (weights [T, k] in x's dtype, expert ids [T, k] int32)."""
-    logits = linear(x, router, dense_op)
+    return route_logits(linear(x, router, dense_op), top_k, renormalize)
+
+
+def route_logits(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """`route` from the router's logits (in x's dtype)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights.astype(x.dtype), ids.astype(jnp.int32)
+    return weights.astype(logits.dtype), ids.astype(jnp.int32)
 
 
 def routed_experts_f32(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -87,11 +100,14 @@ def routed_experts_impl(kernels: str):
 def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, kernels: str = "reference") -> jax.Array:
     """Routed experts plus, when present, a shared expert scaled by sigmoid(x @ shared_expert_gate)."""
     dense_op = dense_impl(kernels)
-    weights, ids = route(x, p["router"], top_k, renormalize, dense_op)
+    shared = "shared_gate" in p
+    names = ("router", "shared_gate", "shared_up", "shared_expert_gate") if shared else ("router",)
+    logits, *shared_in = linears(x, tuple(p[n] for n in names), dense_op)  # the projections of x: one launch
+    weights, ids = route_logits(logits, top_k, renormalize)
     routed = routed_experts_impl(kernels)
     out = routed(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"]).astype(x.dtype)
-    if "shared_gate" in p:
-        shared = swiglu_mlp(x, p["shared_gate"], p["shared_up"], p["shared_down"], dense_op)
-        gate = linear(x, p["shared_expert_gate"], dense_op).astype(jnp.float32)
-        out = out + jax.nn.sigmoid(gate).astype(x.dtype) * shared
+    if shared:
+        gate, up, expert_gate = shared_in
+        shared_out = linear(silu(gate) * up, p["shared_down"], dense_op)
+        out = out + jax.nn.sigmoid(expert_gate.astype(jnp.float32)).astype(x.dtype) * shared_out
     return out

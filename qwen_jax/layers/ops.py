@@ -7,7 +7,8 @@ Each op has one contract, shared by its reference and its kernel:
   delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens) -> (out [B, S, nv, dv] float32, ssm)
                                                               (qwen_jax.layers.gated_deltanet.delta_rule)
   moe(x [T, H], p, top_k, renormalize) -> [T, H]              (qwen_jax.layers.mlp.sparse_moe)
-  dense(x, w, contract=1) -> float32, x's last `contract` dims against w's first (qwen_jax.layers.mlp.dense)
+  dense(x, w, contract=1) -> float32, x's last `contract` dims against w's first; w a tuple of weights -> a tuple
+      (one x through several projections: one launch for the kernel)      (qwen_jax.layers.mlp.dense)
 """
 
 from __future__ import annotations

@@ -23,15 +23,16 @@ def outputs():
     spy = lambda q, *args, **kwargs: attention_seq.append(q.shape[1]) or kernel(q, *args, **kwargs)
     prefill = pallas_kernels.gdn_prefill.gdn_prefill
     prefill_spy = lambda q, *args, **kwargs: prefill_seq.append(q.shape[1]) or prefill(q, *args, **kwargs)
-    skinny = pallas_kernels.skinny_matmul.matmul
-    skinny_spy = lambda x, *args, **kwargs: skinny_rows.append(x.shape[0]) or skinny(x, *args, **kwargs)
+    skinny = pallas_kernels.skinny_matmul.matmul_many  # every launch of the one-row kernel (matmul calls it)
+    skinny_spy = lambda x, ws, **kwargs: skinny_rows.append((x.shape[0], len(ws))) or skinny(x, ws, **kwargs)
     for kernels in ("reference", "gpu"):
         llm = LLM(None, max_num_seqs=4, max_model_len=96, kernels=kernels, dtype="float32")
         with pytest.MonkeyPatch.context() as patch:  # records each trace of the kernels (query length)
             patch.setattr(pallas_kernels.paged_attention, "paged_attention", spy)
             patch.setattr(pallas_kernels.gdn_prefill, "gdn_prefill", prefill_spy)
-            patch.setattr(pallas_kernels.skinny_matmul, "matmul", skinny_spy)
+            patch.setattr(pallas_kernels.skinny_matmul, "matmul_many", skinny_spy)
             patch.setattr(pallas_kernels.skinny_matmul, "MIN_K", 16)  # the built-in model's K is 64, not 1,024+
+            patch.setattr(pallas_kernels.skinny_matmul, "FUSED_N", 16)  # its heads are 32-64 columns wide
             result[kernels] = llm.generate(PROMPTS, params)
             # alone, a sequence decodes one row a step: the one-row projection kernel's case
             result[kernels, "alone"] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))
@@ -63,8 +64,10 @@ def test_gpu_kernels_give_close_logprobs(outputs):
 
 
 def test_one_sequence_decodes_through_the_one_row_projection_kernel(outputs):
-    """Alone, a sequence decodes one row a step: its projections run the skinny matmul kernel, same tokens."""
-    assert outputs["skinny_rows"] and set(outputs["skinny_rows"]) == {1}  # traced for one-row decode steps only
+    """Alone, a sequence decodes one row a step: its projections run the skinny matmul kernel, same tokens; a
+    layer's projections of the same x share a launch (GDN q/k/v/z, attention q/k/v/gate: 4 weights)."""
+    rows, weights = zip(*outputs["skinny_rows"])
+    assert set(rows) == {1} and max(weights) == 4  # traced for one-row decode steps only
     ref, fast = outputs["reference", "alone"][0], outputs["gpu", "alone"][0]
     assert fast.token_ids == ref.token_ids and len(fast.token_ids) == 6
 

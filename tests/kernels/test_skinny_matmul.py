@@ -10,7 +10,7 @@ from jax import export
 
 import pallas_kernels.skinny_matmul as skinny
 from pallas_kernels.moe_gemm import split_contraction
-from pallas_kernels.skinny_matmul import MAX_ROWS, dense, matmul, reference
+from pallas_kernels.skinny_matmul import MAX_ROWS, dense, matmul, matmul_many, reference
 from qwen_jax.layers.mlp import dense as dense_reference
 
 
@@ -86,3 +86,56 @@ def test_lowers_to_one_triton_call_for_cuda():
         s((1, 4096), jnp.bfloat16), s((4096, 2048), jnp.bfloat16)).mlir_module()
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
     assert 'name = "skinny_matmul"' in text and "grid_x = 16 : i32, grid_y = 16 : i32" in text
+
+
+@pytest.mark.parametrize("rows,widths,split_k", [
+    (1, (128, 256, 384), None),  # q/k/v/z-like: 6 column blocks of 128, the contraction split to reach 256 programs
+    (3, (64, 192, 64), 2),       # tiles of 64 (the widths' gcd), three weights
+    (1, (48, 16), 1),            # tiles of 16
+])
+def test_many_weights_in_one_launch_match_each_reference(rows, widths, split_k):
+    x = normal(rows, (rows, 256))
+    ws = tuple(normal(10 + i, (256, n), 0.05) for i, n in enumerate(widths))
+    got = matmul_many(x, ws, split_k=split_k)
+    assert len(got) == len(ws)
+    for out, w in zip(got, ws):
+        assert out.shape == (rows, w.shape[1]) and out.dtype == jnp.float32
+        assert rel_err(out, reference(x, w)) < 1e-5
+
+
+def test_many_weights_must_share_the_contraction():
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="do not all contract x's 64 columns"):
+        matmul_many(x, (jnp.ones((64, 64), jnp.bfloat16), jnp.ones((128, 64), jnp.bfloat16)))
+
+
+def test_dense_of_a_tuple_fuses_the_whole_tiles_and_keeps_the_rest_apart(monkeypatch):
+    """A GDN layer's projections at one row: q/k/v/z (widths multiples of FUSED_N, here 32) share one launch, b/a
+    (16 columns) run alone, the shared expert's 1-column gate stays on XLA; each result equals the reference's."""
+    launches = []
+    monkeypatch.setattr(skinny, "MIN_K", 64)
+    monkeypatch.setattr(skinny, "FUSED_N", 32)
+    monkeypatch.setattr(skinny, "matmul_many", lambda x, ws, **kw: launches.append(len(ws)) or matmul_many(x, ws, **kw))
+    x = normal(3, (1, 1, 64))
+    shapes = [(64, 2, 16), (64, 2, 16), (64, 4, 16), (64, 4, 16), (64, 16), (64, 16), (64, 1)]
+    ws = tuple(normal(20 + i, shape, 0.1) for i, shape in enumerate(shapes))
+    got, want = dense(x, ws), dense_reference(x, ws)
+    assert isinstance(got, tuple) and len(got) == len(ws)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == jnp.float32 and rel_err(a, b) < 1e-5
+    assert launches == [4, 1, 1]  # q/k/v/z together; b and a alone (16 columns: not a whole tile of 32)
+    launches.clear()
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(dense(normal(4, (2, 1, 64)), ws), dense_reference(
+        normal(4, (2, 1, 64)), ws)))
+    assert launches == []  # two rows: XLA's GEMMs
+
+
+def test_fused_launch_lowers_to_one_triton_call_for_cuda():
+    """A 35B-A3B GDN layer's q/k/v/z (2,048 + 2,048 + 4,096 + 4,096 columns): 96 column blocks x 4 slices."""
+    s = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda x, *ws: matmul_many(x, ws, interpret=False))
+    text = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        s((1, 2048), jnp.bfloat16), *(s((2048, n), jnp.bfloat16) for n in (2048, 2048, 4096, 4096))).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
+    assert "grid_x = 96 : i32, grid_y = 4 : i32" in text
