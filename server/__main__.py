@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers-per-program", type=int, default=None,
                    help="consecutive decoder layers per compiled program (0: all in one): fewer dispatches, "
                         "longer compiles")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None,
+                   help="decode batches of up to this many rows run all layers as one program, launched as CUDA "
+                        "graphs (default: 8 on a GPU, 0 elsewhere); each such batch size compiles for longer")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
@@ -65,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
-                "load_format", "dtype", "seed", "kernels", "layers_per_program", "num_hosts", "host_index",
-                "coordinator_address")
+                "load_format", "dtype", "seed", "kernels", "layers_per_program", "cuda_graph_max_batch", "num_hosts",
+                "host_index", "coordinator_address")
 
 
 def engine_args(args: argparse.Namespace) -> dict:

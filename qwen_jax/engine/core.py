@@ -44,7 +44,8 @@ class EngineCore:
         self.runner = ModelRunner(cfg, params, self.num_blocks, self.block_size, self.max_num_seqs + 1,
                                   self.num_snapshots if self.prefix_cache else 0, max_model_len, cfg.vocab_size,
                                   eos_token_ids, seed=seed, mesh=mesh,
-                                  layers_per_program=int(args["layers_per_program"]))
+                                  layers_per_program=int(args["layers_per_program"]),
+                                  cuda_graph_max_batch=args["cuda_graph_max_batch"])
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
     def _size_memory(self, args: dict) -> None:

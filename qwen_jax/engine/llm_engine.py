@@ -43,6 +43,10 @@ ENGINE_ARGS = dict(
     kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one
     seed=0,
     layers_per_program=1,  # consecutive layers per compiled program (0: all); fewer programs, longer compiles
+    # Decode batches of up to this many rows run every layer as one program, which XLA launches as CUDA graphs
+    # (its command buffers): a small step is bound by launching ~1,300 kernels, not by the GPU. None: 8 on a GPU,
+    # 0 (never) elsewhere. Each such batch size compiles for ~20 s instead of ~5.
+    cuda_graph_max_batch=None,
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
     cpu_cache_budget_gib=2.0,  # cache memory on a CPU backend (no device memory statistics there)

@@ -98,6 +98,12 @@ def step_shapes(max_num_seqs: int, max_batched_tokens: int, max_model_len: int) 
 # Sharded: params and cache arrive committed to their rules' shardings (inputs follow them), the hot ops are split
 # over the mesh's heads and experts (sharding/ops.py), and outputs are pinned (activations whole on every device,
 # cache in its own shards).
+# A small decode step is bound by the host launching its ~1,300 kernels: with all layers in one program XLA runs
+# them as CUDA graphs (its command buffers; a program called once per layer with each layer's weights gets none of
+# that). H200, step_profile, 35B-A3B, ctx 2,048, ms per step with one program per layer / one program: B=1 7.7-12.0
+# / 7.8-8.5, B=2 16.5-16.9 / 7.5-7.7, B=4 12.5-14.7 / 8.8-9.1, B=8 14.3-15.3 / 11.3-11.7, B=16 13.2-15.1 / 13.9-15.4,
+# B=32 18.0-18.7 / 18.5-23.9 (BENCH_H200.md, ninth session): up to 8 rows, one program.
+CUDA_GRAPH_MAX_BATCH = 8
 # Excess precision off: every rounding to bf16 that the layers write (where HF rounds) really happens.
 EXACT = {"xla_allow_excess_precision": False}
 
@@ -199,12 +205,17 @@ def _save_snapshots(cache, snapshots, src, dst, cfg, mesh):
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, num_blocks: int, block_size: int, num_slots: int,
                  num_snapshots: int, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, layers_per_program: int = 1):
+                 eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, layers_per_program: int = 1,
+                 cuda_graph_max_batch: int | None = None):
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules. None: the
         mesh is on other hosts (a data-parallel replica there); this runner only writes its steps down, and its
-        executor must send them where they run (engine/multihost.py)."""
+        executor must send them where they run (engine/multihost.py). cuda_graph_max_batch: decode batches of up to
+        this many rows run all layers as one program (None: CUDA_GRAPH_MAX_BATCH on a GPU, 0 elsewhere)."""
         self.cfg = cfg
         self.layers_per_program = layers_per_program
+        if cuda_graph_max_batch is None:
+            cuda_graph_max_batch = CUDA_GRAPH_MAX_BATCH if jax.default_backend() == "gpu" else 0
+        self.cuda_graph_max_batch = cuda_graph_max_batch
         self.params = params
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.block_size = block_size
@@ -314,8 +325,10 @@ class ModelRunner:
             elif kind == "forward":
                 batch, tensors, num_top = args
                 tensors = SamplingTensors(*put_batch(tuple(tensors), self.mesh))
+                rows, seq_len = batch["tokens"].shape
+                whole = seq_len == 1 and rows <= self.cuda_graph_max_batch
                 out, self.cache = run_step(self.params, self.cache, batch, tensors, self.cfg, num_top, self.mesh,
-                                           self.layers_per_program)
+                                           0 if whole else self.layers_per_program)
                 outs.append(out)
             else:
                 raise ValueError(f"unknown step op {kind!r}")
