@@ -34,7 +34,7 @@ if part kernel_parity; then  # one process, one copy of the random weights, engi
   grep "^{" "$OUT/parity.log" || tail -20 "$OUT/parity.log"
 fi
 
-export QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=300
+export QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=${QWEN_JAX_START_TIMEOUT:-300}
 URL=http://127.0.0.1:8000
 SERVER_ARGS=(--model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000
              --kernels "${KERNELS:-gpu}" --compilation-cache-dir /tmp/qwen_jax_cc)
