@@ -99,10 +99,11 @@ def step_shapes(max_num_seqs: int, max_batched_tokens: int, max_model_len: int) 
 # over the mesh's heads and experts (sharding/ops.py), and outputs are pinned (activations whole on every device,
 # cache in its own shards).
 # A small decode step is bound by the host launching its ~1,300 kernels: with all layers in one program XLA runs
-# them as CUDA graphs (its command buffers; a program called once per layer with each layer's weights gets none of
-# that). H200, step_profile, 35B-A3B, ctx 2,048, ms per step with one program per layer / one program: B=1 7.7-12.0
-# / 7.8-8.5, B=2 16.5-16.9 / 7.5-7.7, B=4 12.5-14.7 / 8.8-9.1, B=8 14.3-15.3 / 11.3-11.7, B=16 13.2-15.1 / 13.9-15.4,
-# B=32 18.0-18.7 / 18.5-23.9 (BENCH_H200.md, ninth session): up to 8 rows, one program.
+# them as CUDA graphs (its command buffers; a program called once per layer with each layer's weights gained
+# little from them: 22.2 vs 23.3 ms with them off at B=1 on a slow host). H200, step_profile, 35B-A3B, ctx 2,048,
+# ms per step with one program per layer / one program: B=1 7.7-12.0 / 7.8-8.5, B=2 16.5-16.9 / 7.5-7.7, B=4
+# 12.5-14.7 / 8.8-9.1, B=8 14.3-15.3 / 11.3-11.7, B=16 13.2-15.1 / 13.9-15.4, B=32 18.0-18.7 / 18.5-23.9
+# (BENCH_H200.md, ninth session): up to 8 rows, one program.
 CUDA_GRAPH_MAX_BATCH = 8
 # Excess precision off: every rounding to bf16 that the layers write (where HF rounds) really happens.
 EXACT = {"xla_allow_excess_precision": False}
