@@ -104,8 +104,8 @@ if part multi_gpu_steps; then
       CUDA_VISIBLE_DEVICES=$devices timeout "${T_STEP:-180}" python3 -m qwen_jax.bench.step_profile \
         --config "$MODEL/config.json" --batches 1,64 --context 1024 --kernels $k --prefill 2048 --no-layers --profile \
         $layout > "$OUT/step_profile_$name.txt" 2>&1
-      echo "$name"; grep '^{"mesh\|^{"layers\|^{"prefill' "$OUT/step_profile_$name.txt" | cut -c1-700 \
-        || tail -5 "$OUT/step_profile_$name.txt"
+      echo "$name"; grep '^{"mesh\|^{"layers\|^{"prefill' "$OUT/step_profile_$name.txt" | cut -c1-700
+      [[ ${PIPESTATUS[0]} == 0 ]] || tail -5 "$OUT/step_profile_$name.txt"  # no result lines: show the error
     done
   done
 fi
