@@ -34,33 +34,35 @@ def reference(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, *refs, rows: int, block_n: int, block_k: int, steps: int, bounds: tuple[int, ...]):
+def _kernel(x_ref, *refs, rows: int, block_k: int, steps: int, bounds: tuple[int, ...], tiles: tuple[int, ...]):
     """Program (n, s): every row of x through column block n of the weights side by side, over contraction slice s
-    -> out[s, :, block n]. Weight i holds column blocks bounds[i] .. bounds[i + 1] - 1; a program reads only its
-    own weight (one branch per weight, none when there is one)."""
+    -> out[s, :, block n's columns]. Weight i holds column blocks bounds[i] .. bounds[i + 1] - 1, each tiles[i]
+    columns wide (a narrow weight such as the GDN's 32-column b and a is one block of its own width); a program reads
+    only its own weight (one branch per weight, none when there is one)."""
     *w_refs, out_ref = refs
     n, s = pl.program_id(0), pl.program_id(1)
     num_rows = x_ref.shape[0]
     row = jnp.arange(rows, dtype=jnp.int32)
     clipped = jnp.minimum(row, num_rows - 1)[:, None]  # padding rows repeat the last row: finite, never stored
 
-    def run(w_ref, start):
-        cols = pl.ds(pl.multiple_of((n - start) * block_n, block_n), block_n)
+    def run(w_ref, start, tile, first_col):
+        cols = pl.ds(pl.multiple_of((n - start) * tile, tile), tile)
 
         def body(i, acc):
             k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
             x = x_ref[clipped, k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]]
             return acc + jnp.dot(x, w_ref[pl.ds(k0, block_k), cols], preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, block_n), jnp.float32))
-        col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, tile), jnp.float32))
+        col = first_col + (n - start) * tile + jnp.arange(tile, dtype=jnp.int32)[None, :]
         pltriton.store(out_ref.at[s, row[:, None], col], acc, mask=(row < num_rows)[:, None])
 
+    first_cols = itertools.accumulate(((b - a) * t for a, b, t in zip(bounds, bounds[1:], tiles)), initial=0)
     if len(w_refs) == 1:
-        run(w_refs[0], 0)
+        run(w_refs[0], 0, tiles[0], 0)
         return
-    for w_ref, start, end in zip(w_refs, bounds, bounds[1:]):
-        pl.when((n >= start) & (n < end))(functools.partial(run, w_ref, start))
+    for w_ref, start, end, tile, first_col in zip(w_refs, bounds, bounds[1:], tiles, first_cols):
+        pl.when((n >= start) & (n < end))(functools.partial(run, w_ref, start, tile, first_col))
 
 
 def matmul(x: jax.Array, w: jax.Array, **tiles) -> jax.Array:
@@ -75,51 +77,51 @@ def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, 
     """`reference(x, w)` for each w of ws (each [K, N_i]) as one kernel over their columns side by side: one launch
     and one stream of all the weights instead of one per weight (a layer's q/k/v/z projections: four 4-16 MB
     weights, each too small to reach full bandwidth alone). Tiles shrink to divide K and every N_i; split_k: slices
-    of the contraction (None: moe_gemm.split_contraction over all the column blocks). Default tiles: the fastest or
-    tied at every 35B-A3B projection shape of one row (H200, BENCH_H200.md). interpret=None interprets on CPU
-    only."""
+    of the contraction (None: moe_gemm.split_contraction over all the column blocks). Each weight's column tile is
+    block_n shrunk to divide its width (a 32-column weight is one block of 32: contiguous loads that Triton
+    pipelines). Default tiles: the fastest or tied at every 35B-A3B projection shape of one row (H200,
+    BENCH_H200.md). interpret=None interprets on CPU only."""
     (num_rows, k), widths = x.shape, [w.shape[1] for w in ws]
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul: x has {num_rows} rows; the kernel takes 1 to {MAX_ROWS}")
     if any(w.shape[0] != k for w in ws):
         raise ValueError(f"skinny_matmul: weights {[w.shape for w in ws]} do not all contract x's {k} columns")
-    block_n, block_k = _tile(math.gcd(*widths), block_n), _tile(k, block_k)
+    tiles, block_k = tuple(_tile(n, block_n) for n in widths), _tile(k, block_k)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    bounds = tuple(itertools.accumulate((n // block_n for n in widths), initial=0))
+    bounds = tuple(itertools.accumulate((n // t for n, t in zip(widths, tiles)), initial=0))
     steps = k // block_k
     split = split_contraction(bounds[-1], steps, split_k)
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     parts = pl.pallas_call(
-        functools.partial(_kernel, rows=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, block_k=block_k,
-                          steps=steps // split, bounds=bounds),
-        out_shape=jax.ShapeDtypeStruct((split, num_rows, bounds[-1] * block_n), jnp.float32),
+        functools.partial(_kernel, rows=max(16, pl.next_power_of_2(num_rows)), block_k=block_k,
+                          steps=steps // split, bounds=bounds, tiles=tiles),
+        out_shape=jax.ShapeDtypeStruct((split, num_rows, sum(widths)), jnp.float32),
         grid=(bounds[-1], split), interpret=interpret, compiler_params=params, name="skinny_matmul")(x, *ws)
     out = parts.sum(axis=0) if split > 1 else parts[0]
-    return tuple(out[:, a * block_n:b * block_n] for a, b in zip(bounds, bounds[1:]))
+    ends = tuple(itertools.accumulate(widths, initial=0))
+    return tuple(out[:, a:b] for a, b in zip(ends, ends[1:]))
 
 
-MIN_K = 1024  # below, XLA's one-row reduction is as fast: [512, 2048] took 2 us in XLA, 3 us in the kernel
-
-
-FUSED_N = 128  # weights fuse into one launch when their widths are whole 128-column tiles (no tile shrinks)
+# Below this contraction XLA's one-row reduction is as fast. The shared expert's down projection (K 512) took 2 us in
+# XLA alone and 3 us in the kernel, but inside the model XLA ran it as a multiply writing a float32 [512, 2048]
+# product and a reduce of it (5 us, two kernels): through the kernel a B=1 step took 0.1 ms less GPU time.
+MIN_K = 512
 
 
 def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1):
     """The layers' `dense` op (qwen_jax.layers.mlp.dense: x's last `contract` dims against w's first; a tuple of
-    weights gives a tuple) on this kernel where it pays: one row, K >= MIN_K, K and N multiples of 16. The weights
-    of a tuple whose widths are multiples of FUSED_N share one launch; elsewhere the reference (XLA)."""
+    weights gives a tuple) on this kernel where it pays: one row, K >= MIN_K, K a multiple of 16. The weights whose
+    widths are multiples of 16 share one launch (matmul_many); the rest (the shared expert's 1-column gate) and
+    every other shape take the reference (XLA)."""
     ws = w if isinstance(w, tuple) else (w,)
     lead = x.shape[:x.ndim - contract]
     rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract:])
     widths = [math.prod(wi.shape[contract:]) for wi in ws]
-    if rows != 1 or k < MIN_K or k % 16:
+    fused = [i for i, n in enumerate(widths) if n % 16 == 0]
+    if rows != 1 or k < MIN_K or k % 16 or not fused:
         return dense_reference(x, w, contract)
-    flat = x.reshape(rows, k)
-    fused = [i for i, n in enumerate(widths) if n % FUSED_N == 0] if len(ws) > 1 else []
-    outs = dict(zip(fused, matmul_many(flat, tuple(ws[i].reshape(k, widths[i]) for i in fused)))) if fused else {}
-    for i, (wi, n) in enumerate(zip(ws, widths)):
-        if i not in outs:
-            outs[i] = matmul(flat, wi.reshape(k, n)) if n % 16 == 0 else dense_reference(flat, wi.reshape(k, n))
-    out = tuple(outs[i].reshape(*lead, *wi.shape[contract:]) for i, wi in enumerate(ws))
+    outs = dict(zip(fused, matmul_many(x.reshape(rows, k), tuple(ws[i].reshape(k, widths[i]) for i in fused))))
+    out = tuple(outs[i].reshape(*lead, *wi.shape[contract:]) if i in outs else dense_reference(x, wi, contract)
+                for i, wi in enumerate(ws))
     return out if isinstance(w, tuple) else out[0]

@@ -32,7 +32,6 @@ def outputs():
             patch.setattr(pallas_kernels.gdn_prefill, "gdn_prefill", prefill_spy)
             patch.setattr(pallas_kernels.skinny_matmul, "matmul_many", skinny_spy)
             patch.setattr(pallas_kernels.skinny_matmul, "MIN_K", 16)  # the built-in model's K is 64, not 1,024+
-            patch.setattr(pallas_kernels.skinny_matmul, "FUSED_N", 16)  # its heads are 32-64 columns wide
             result[kernels] = llm.generate(PROMPTS, params)
             # alone, a sequence decodes one row a step: the one-row projection kernel's case
             result[kernels, "alone"] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))
@@ -65,7 +64,8 @@ def test_gpu_kernels_give_close_logprobs(outputs):
 
 def test_one_sequence_decodes_through_the_one_row_projection_kernel(outputs):
     """Alone, a sequence decodes one row a step: its projections run the skinny matmul kernel, same tokens; a
-    layer's projections of the same x share a launch (GDN q/k/v/z, attention q/k/v/gate: 4 weights)."""
+    layer's projections of the same x share a launch (GDN q/k/v/z, attention q/k/v/gate: 4 weights; the built-in
+    model's GDN b and a are 4 columns wide, not a tile)."""
     rows, weights = zip(*outputs["skinny_rows"])
     assert set(rows) == {1} and max(weights) == 4  # traced for one-row decode steps only
     ref, fast = outputs["reference", "alone"][0], outputs["gpu", "alone"][0]

@@ -60,7 +60,7 @@ def test_refuses_what_it_cannot_tile():
 def test_dense_runs_the_kernel_for_one_row_only(x_shape, w_shape, contract, kernel, monkeypatch):
     calls = []
     monkeypatch.setattr(skinny, "MIN_K", 64)  # the real 1,024 at these small shapes
-    monkeypatch.setattr(skinny, "matmul", lambda *a, **kw: calls.append(1) or matmul(*a, **kw))
+    monkeypatch.setattr(skinny, "matmul_many", lambda *a, **kw: calls.append(1) or matmul_many(*a, **kw))
     x, w = normal(1, x_shape), normal(2, w_shape, 0.1)
     got, want = dense(x, w, contract), dense_reference(x, w, contract)
     assert got.shape == want.shape and got.dtype == jnp.float32 and bool(calls) == kernel
@@ -68,13 +68,14 @@ def test_dense_runs_the_kernel_for_one_row_only(x_shape, w_shape, contract, kern
 
 
 def test_dense_leaves_short_contractions_to_xla(monkeypatch):
-    """At the real MIN_K: the shared expert's down projection (K 512) stays on XLA, K 2,048 runs the kernel."""
+    """At the real MIN_K: K 256 stays on XLA; the shared expert's down projection (K 512) and K 2,048 run the
+    kernel."""
     calls = []
-    monkeypatch.setattr(skinny, "matmul", lambda x, *a, **kw: calls.append(x.shape[1]) or matmul(x, *a, **kw))
-    for k in (512, 2048):
+    monkeypatch.setattr(skinny, "matmul_many", lambda x, *a, **kw: calls.append(x.shape[1]) or matmul_many(x, *a, **kw))
+    for k in (256, 512, 2048):
         x, w = normal(k, (1, k)), normal(k + 1, (k, 64), 0.05)
         assert rel_err(dense(x, w), dense_reference(x, w)) < 1e-5
-    assert calls == [2048]
+    assert calls == [512, 2048]
 
 
 def test_lowers_to_one_triton_call_for_cuda():
@@ -92,6 +93,7 @@ def test_lowers_to_one_triton_call_for_cuda():
     (1, (128, 256, 384), None),  # q/k/v/z-like: 6 column blocks of 128, the contraction split to reach 256 programs
     (3, (64, 192, 64), 2),       # tiles of 64 (the widths' gcd), three weights
     (1, (48, 16), 1),            # tiles of 16
+    (1, (256, 32, 32), None),    # a GDN layer's v with b and a: the narrow ones one block of 32 columns each
 ])
 def test_many_weights_in_one_launch_match_each_reference(rows, widths, split_k):
     x = normal(rows, (rows, 256))
@@ -109,12 +111,12 @@ def test_many_weights_must_share_the_contraction():
         matmul_many(x, (jnp.ones((64, 64), jnp.bfloat16), jnp.ones((128, 64), jnp.bfloat16)))
 
 
-def test_dense_of_a_tuple_fuses_the_whole_tiles_and_keeps_the_rest_apart(monkeypatch):
-    """A GDN layer's projections at one row: q/k/v/z (widths multiples of FUSED_N, here 32) share one launch, b/a
-    (16 columns) run alone, the shared expert's 1-column gate stays on XLA; each result equals the reference's."""
+def test_dense_of_a_tuple_runs_one_launch(monkeypatch):
+    """A GDN layer's projections at one row: q/k/v/z and the narrow b/a (16 columns, under one tile) share one
+    launch, the shared expert's 1-column gate stays on XLA; each result equals the reference's. Two rows: XLA's
+    GEMMs."""
     launches = []
     monkeypatch.setattr(skinny, "MIN_K", 64)
-    monkeypatch.setattr(skinny, "FUSED_N", 32)
     monkeypatch.setattr(skinny, "matmul_many", lambda x, ws, **kw: launches.append(len(ws)) or matmul_many(x, ws, **kw))
     x = normal(3, (1, 1, 64))
     shapes = [(64, 2, 16), (64, 2, 16), (64, 4, 16), (64, 4, 16), (64, 16), (64, 16), (64, 1)]
@@ -123,19 +125,21 @@ def test_dense_of_a_tuple_fuses_the_whole_tiles_and_keeps_the_rest_apart(monkeyp
     assert isinstance(got, tuple) and len(got) == len(ws)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == jnp.float32 and rel_err(a, b) < 1e-5
-    assert launches == [4, 1, 1]  # q/k/v/z together; b and a alone (16 columns: not a whole tile of 32)
+    assert launches == [6]
     launches.clear()
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(dense(normal(4, (2, 1, 64)), ws), dense_reference(
         normal(4, (2, 1, 64)), ws)))
-    assert launches == []  # two rows: XLA's GEMMs
+    assert launches == []
 
 
 def test_fused_launch_lowers_to_one_triton_call_for_cuda():
-    """A 35B-A3B GDN layer's q/k/v/z (2,048 + 2,048 + 4,096 + 4,096 columns): 96 column blocks x 4 slices."""
+    """A 35B-A3B GDN layer's q/k/v/z/b/a (2,048 + 2,048 + 4,096 + 4,096 + 32 + 32 columns): 98 column blocks x 4
+    slices."""
     s = jax.ShapeDtypeStruct
     fn = jax.jit(lambda x, *ws: matmul_many(x, ws, interpret=False))
     text = export.export(fn, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        s((1, 2048), jnp.bfloat16), *(s((2048, n), jnp.bfloat16) for n in (2048, 2048, 4096, 4096))).mlir_module()
+        s((1, 2048), jnp.bfloat16), *(s((2048, n), jnp.bfloat16) for n in (2048, 2048, 4096, 4096, 32, 32))
+    ).mlir_module()
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
-    assert "grid_x = 96 : i32, grid_y = 4 : i32" in text
+    assert "grid_x = 98 : i32, grid_y = 4 : i32" in text
