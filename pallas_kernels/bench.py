@@ -1,7 +1,7 @@
 """GPU benchmark of the Pallas kernels against their jnp references (`python -m pallas_kernels.bench`): time, achieved
 bandwidth (and TFLOP/s for the MoE GEMM and attention) and on-device error per shape, as markdown tables. Never writes
 files and never touches the model. `--only gdn`, `--only gdn_prefill`, `--only moe` or `--only paged_attention` runs
-one kernel; `--only skinny_matmul` the one-row projections.
+one kernel; `--only skinny_matmul` the one-row projections, `--only router` the MoE routing.
 
 Exit status: 0 when every kernel configuration lowered, ran and matched its reference; 1 otherwise (the reference
 timings are printed either way); 2 when there is no GPU and --small was not given.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gdn_prefill, moe_gemm, paged_attention, skinny_matmul
+from pallas_kernels import gdn_prefill, moe_gemm, paged_attention, router, skinny_matmul
 from pallas_kernels.gdn_decode import gdn_decode, reference
 from qwen_jax.layers.mlp import route, sparse_moe
 
@@ -575,8 +575,8 @@ def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
 # widths: the projections with one weight of their own shape; then 35B-A3B's groups: a GDN layer's q/k/v/z, an
 # attention layer's q/k/v/gate, an MoE layer's router and shared-expert gate/up.
 SKINNY_FULL = ((2048, (2048,)), (2048, (4096,)), (4096, (2048,)), (2048, (512,)), (512, (2048,)), (2048, (256,)),
-               (2048, (12288,)), (2048, (2048, 2048, 4096, 4096)), (2048, (4096, 512, 512, 4096)),
-               (2048, (256, 512, 512)))
+               (2048, (12288,)), (2048, (2048, 2048, 4096, 4096)), (2048, (2048, 2048, 4096, 4096, 32, 32)),
+               (2048, (4096, 512, 512, 4096)), (2048, (256, 512, 512)))
 SKINNY_SMALL = ((64, (64,)), (128, (96,)), (128, (32, 64, 32)))
 SKINNY_MAX_REL_ERR = 1e-2  # bf16 out; float32 sums in another order, nothing else
 
@@ -617,6 +617,37 @@ def bench_skinny_matmul(shapes: tuple, interpret: bool, failures: list) -> str:
     return "\n".join(lines)
 
 
+ROUTER_TOKENS_FULL, ROUTER_TOKENS_SMALL = (1, 8, 64, 512, 4096), (1, 5)
+ROUTER_DIMS = {"experts": 256, "top_k": 8}  # 35B-A3B
+
+
+def bench_router(token_counts: tuple, interpret: bool, failures: list) -> str:
+    """Softmax top-k routing from bf16 logits: XLA (the reference's softmax, top_k and renormalisation) against the
+    one-launch kernel; GPU time from the profiler (NaN on the CPU). The ids must equal the reference's."""
+    lines = ["| tokens | XLA us | kernel us | vs XLA | ids equal | max weight diff | note |",
+             "|---|---|---|---|---|---|---|"]
+    experts, top_k = ROUTER_DIMS["experts"], ROUTER_DIMS["top_k"]
+    xla = jax.jit(lambda x: router.reference(x, top_k, True))
+    kernel = jax.jit(lambda x: router.route_logits(x, top_k, True, interpret=interpret))
+    for tokens in token_counts:
+        x = (jax.random.normal(jax.random.key(tokens), (tokens, experts)) * 2).astype(jnp.bfloat16)
+        note = ""
+        try:
+            (w_ref, ids_ref), (w, ids) = xla(x), kernel(x)
+            same = bool(jnp.all(ids == ids_ref))
+            diff = float(jnp.max(jnp.abs(w.astype(jnp.float32) - w_ref.astype(jnp.float32))))
+            note = "" if same else "ids differ from the reference"
+            xla_us, us = gpu_us(functools.partial(xla, x)), gpu_us(functools.partial(kernel, x))
+        except Exception as e:  # a lowering or compile error: report it and keep going
+            same, diff, xla_us, us = False, float("nan"), float("nan"), float("nan")
+            note = failure_note(e, f"router {tokens}")
+        if note:
+            failures.append(f"router {tokens} tokens: {note}")
+        lines.append(f"| {tokens} | {xla_us:.1f} | {us:.1f} | {xla_us / us:.2f}x | {same} | {diff:.1e} | {note} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
@@ -625,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--defaults-only", action="store_true", help="gdn_prefill: the default configuration only "
                         "(and each launch alone)")
     parser.add_argument("--moe-tokens", help="moe: comma-separated token counts instead of the full list")
-    parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention", "skinny_matmul"),
+    parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention", "skinny_matmul", "router"),
                         help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -678,6 +709,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\nskinny_matmul: one row, bf16; GPU time per call (profiler)", flush=True)
         text = bench_skinny_matmul(SKINNY_SMALL if args.small else SKINNY_FULL, interpret, failures)
         print(f"\n### skinny_matmul on {jax.devices()[0].device_kind}\n\n{text}\n")
+    if args.only in (None, "router"):
+        print(f"\nrouter: E={ROUTER_DIMS['experts']} top_k={ROUTER_DIMS['top_k']}, bf16 logits; GPU time per call "
+              "(profiler)", flush=True)
+        text = bench_router(ROUTER_TOKENS_SMALL if args.small else ROUTER_TOKENS_FULL, interpret, failures)
+        print(f"\n### router on {jax.devices()[0].device_kind}\n\n{text}\n")
     return _report(failures)
 
 

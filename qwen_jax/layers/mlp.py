@@ -87,6 +87,16 @@ def dense_impl(kernels: str):
     return dense
 
 
+def route_logits_impl(kernels: str):
+    """The one switch for routing from the router's logits: "reference" (`route_logits`: XLA's softmax, top_k and
+    sum) or "gpu" (pallas_kernels/router.py: one launch). Same signature as route_logits."""
+    if kernels == "gpu":
+        from pallas_kernels.router import route_logits as route_kernel  # lazy: pallas_kernels imports this module
+
+        return route_kernel
+    return route_logits
+
+
 def routed_experts_impl(kernels: str):
     """The one switch for the routed experts: "reference" (ragged_dot above) or "gpu" (the Pallas grouped GEMM,
     which reads only the experts that received tokens). Same signature as routed_experts_f32."""
@@ -103,7 +113,7 @@ def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, kernels: st
     shared = "shared_gate" in p
     names = ("router", "shared_gate", "shared_up", "shared_expert_gate") if shared else ("router",)
     logits, *shared_in = linears(x, tuple(p[n] for n in names), dense_op)  # the projections of x: one launch
-    weights, ids = route_logits(logits, top_k, renormalize)
+    weights, ids = route_logits_impl(kernels)(logits, top_k, renormalize)
     routed = routed_experts_impl(kernels)
     out = routed(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"]).astype(x.dtype)
     if shared:
