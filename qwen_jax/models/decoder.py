@@ -178,14 +178,14 @@ def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig,
     x: [B, S, H]; `batch` comes from prepare_batch. Returns (x, the layer's updated cache).
     `ops`: the hot ops (default: ops_for(cfg.kernels); sharding/ops.py gives a mesh's)."""
     ops = ops or ops_for(cfg.kernels)
-    h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    h = ops.norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     if cfg.layer_types[index] == FULL_ATTENTION:
         h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()), ops.attention,
                                ops.dense)
     else:
         h, c = gdn_layer(h, p["mixer"], c, batch, cfg, ops.delta_rule, ops.dense)
     x = x + h
-    h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    h = ops.norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     flat = h.reshape(-1, h.shape[-1])
     if cfg.is_moe_layer(index):
         flat = ops.moe(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
