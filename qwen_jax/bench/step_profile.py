@@ -17,13 +17,14 @@ import numpy as np
 from qwen_jax.bench.gpu_profile import profile_calls
 from qwen_jax.bench.roofline import H200_TBPS, decode_bytes, prefill_flops_per_token
 from qwen_jax.config import load_config
+from qwen_jax.engine import runner
 from qwen_jax.engine.runner import run_step
 from qwen_jax.engine.sampler import SamplingTensors
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.gated_deltanet import gdn_layer
 from qwen_jax.layers.mlp import swiglu_mlp
 from qwen_jax.layers.ops import ops_for
-from qwen_jax.models.decoder import make_batch, random_params
+from qwen_jax.models.decoder import make_batch, prepare_batch, random_params
 from qwen_jax.sampling_params import SamplingParams
 from sharding import rules
 from sharding import step as sharded_step
@@ -48,6 +49,34 @@ def decode_batch(batch: int, context: int, block_size: int, width: int, vocab_si
     tables = np.arange(1, batch * width + 1, dtype=np.int32).reshape(batch, width)
     tokens = np.random.default_rng(batch).integers(1, vocab_size, (batch, 1), dtype=np.int32)
     return make_batch(tokens, np.full(batch, context), np.ones(batch), np.arange(1, batch + 1), tables)
+
+
+def host_breakdown(params: dict, state: dict, batch: dict, cfg, mesh, layers_per_program: int,
+                   steps: int = 20) -> dict:
+    """A step as the engine's ModelRunner.execute runs it, host milliseconds (median) in each part: put the sampling
+    tensors and the batch (with prepare_batch's mask) on the devices, dispatch the layers' program(s), dispatch the
+    head + sampler, then wait for the sampled tokens on the host. Where the step's wall time goes beside the GPU's."""
+    rows = batch["tokens"].shape[0]
+    host_tensors = SamplingTensors.build_host([SamplingParams(temperature=0.0)] * rows, [0] * rows, [None] * rows,
+                                              vocab_size=cfg.vocab_size, batch_size=rows)
+    parts = {k: [] for k in ("put_tensors", "put_batch", "layers", "head", "wait", "total")}
+    for i in range(steps + 3):
+        t = [time.perf_counter()]
+        tensors = SamplingTensors(*runner.put_batch(tuple(host_tensors), mesh))
+        t.append(time.perf_counter())
+        on_device = runner.put_batch(prepare_batch(batch), mesh)
+        t.append(time.perf_counter())
+        x, state["cache"] = runner.run_layers(params, state["cache"], on_device, cfg, mesh, layers_per_program)
+        t.append(time.perf_counter())
+        out = runner._head_sample(x, runner.head_params(params), on_device, tensors, cfg=cfg, num_top_logprobs=0)
+        t.append(time.perf_counter())
+        np.asarray(out.tokens)
+        t.append(time.perf_counter())
+        if i >= 3:  # the first calls compile
+            for key, a, b in zip(parts, t, t[1:]):
+                parts[key].append(b - a)
+            parts["total"].append(t[-1] - t[0])
+    return {k: round(float(np.median(v)) * 1e3, 3) for k, v in parts.items()}
 
 
 def _prefill_row(params: dict, state: dict, cfg, mesh, length: int, block_size: int, profile: bool) -> dict:
@@ -88,6 +117,8 @@ def main() -> None:
                     help="one replica over this many devices (the engine's layouts; kernels must be 'reference')")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="experts split over the devices (EP)")
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer-type breakdown")
+    ap.add_argument("--host-breakdown", action="store_true",
+                    help="also time each decode step's host parts as the engine runs them (host_breakdown)")
     args = ap.parse_args()
     cfg = load_config(args.config).with_kernels(args.kernels)
     batches = [int(b) for b in args.batches.split(",")]
@@ -119,6 +150,8 @@ def main() -> None:
                    "fraction_of_roofline": round(total / (args.bandwidth * 1e12) / median, 3)}
             if args.profile:
                 row["profile"] = profile_calls(step)
+            if args.host_breakdown:
+                row["host_ms"] = host_breakdown(params, state, batch, cfg, mesh, lpp)
             row["peak_gib_per_device"] = [round((d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
                                           for d in mesh.devices.flat]
             report["decode"].append(row)

@@ -167,9 +167,10 @@ def make_batch(tokens: np.ndarray, start_positions: np.ndarray, seq_lens: np.nda
 
 
 def prepare_batch(batch: dict) -> dict:
-    """Add the [B, S] mask of real (non-padding) tokens that every layer reads."""
+    """Add the [B, S] mask of real (non-padding) tokens that every layer reads (with numpy for a host batch)."""
     seq = batch["tokens"].shape[1]
-    return dict(batch, valid=jnp.arange(seq)[None, :] < batch["seq_lens"][:, None])
+    xp = np if isinstance(batch["seq_lens"], np.ndarray) else jnp
+    return dict(batch, valid=xp.arange(seq)[None, :] < batch["seq_lens"][:, None])
 
 
 def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig, index: int,
