@@ -157,8 +157,9 @@ def head_params(params: dict) -> dict:
 @functools.cache
 def _put_program(sharding) -> Callable:
     """A jitted identity: host arrays cross to the devices as its arguments, in one call of jit's C++ path. A step's
-    ~17 small arrays took 1.2-1.3 ms through jax.device_put and 0.2 ms this way (CPU; about 2 ms a step on an H200
-    host, BENCH_H200.md tenth session)."""
+    ~17 small arrays took 1.2-1.3 ms through jax.device_put and 0.2 ms this way on the CPU; on an H200 host the
+    sampling tensors' transfer stayed ~0.7 ms, while the batch with its host-formed mask went 1.1-1.4 -> 0.55-0.73
+    ms (BENCH_H200.md, tenth session)."""
     return jax.jit(lambda tree: tree, in_shardings=sharding, out_shardings=sharding)
 
 
