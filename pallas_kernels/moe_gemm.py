@@ -51,10 +51,11 @@ def _tile(dim: int, preferred: int) -> int:
 # Pallas-Triton kernels on an H200 at every sorted size: 13% at 128-256 tokens, 1.5x at 4,096 (266 vs 172 TFLOP/s)
 # and 16,384 (426 vs 286 TFLOP/s; BENCH_H200.md). The Pallas ones stay for the CPU (interpret mode, so CI runs the
 # engine's kernels) and where jax-triton is missing. Tiles by pairs (token x expert), from the same sweeps:
-# (max pairs, block_m, block_n, block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages)).
-TRITON_TILES = [(2048, 16, 128, 64, 4, 3, (256, 64, 8, 3)),  # memory-bound: a few rows per expert
-                (8192, 64, 128, 64, 4, 3, (128, 64, 4, 3)),
-                (None, 128, 128, 64, 8, 3, (256, 64, 8, 3))]  # compute-bound
+# (max pairs, block_m, block_n, block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages),
+# tail_m: the tile height of a block with at most that many live rows, moe_triton's short blocks; None: off).
+TRITON_TILES = [(2048, 16, 128, 64, 4, 3, (256, 64, 8, 3), None),  # memory-bound: a few rows per expert
+                (8192, 64, 128, 64, 4, 3, (128, 64, 4, 3), None),
+                (None, 128, 128, 64, 8, 4, (256, 64, 8, 4), 64)]  # compute-bound
 PALLAS_SORTED_MAX_PAIRS = 2048  # up to here 16-row blocks, above it 128 x 128 tiles on 8 warps
 
 
@@ -68,16 +69,16 @@ def default_tiles(num_tokens: int, num_pairs: int, native: bool = False) -> dict
     Pallas kernels up to FEW_TOKENS tokens; above, the sorted layout, as native Triton kernels when `native`."""
     if num_tokens <= FEW_TOKENS:
         return dict(few_tokens=True, triton=False, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4,
-                    down=None, split_k=None)
+                    down=None, tail_m=None, split_k=None)
     if native:
-        _, bm, bn, bk, warps, stages, down = next(t for t in TRITON_TILES if t[0] is None or num_pairs <= t[0])
+        _, bm, bn, bk, warps, stages, down, tail = next(t for t in TRITON_TILES if t[0] is None or num_pairs <= t[0])
         return dict(few_tokens=False, triton=True, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                    num_stages=stages, down=down)
+                    num_stages=stages, down=down, tail_m=tail)
     if num_pairs <= PALLAS_SORTED_MAX_PAIRS:
         return dict(few_tokens=False, triton=False, block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3,
-                    down=None)
+                    down=None, tail_m=None)
     return dict(few_tokens=False, triton=False, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
-                down=None)
+                down=None, tail_m=None)
 
 
 def resolve_tiles(num_tokens: int, num_pairs: int, native: bool = False, **given) -> dict:
@@ -340,22 +341,23 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
                    w_down: jax.Array, first_expert: jax.Array | int = 0, *, few_tokens: bool | None = None,
                    triton: bool | None = None, block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   down: tuple[int, int, int, int] | None = None, split_k: int | None = None,
-                   interpret: bool | None = None) -> jax.Array:
+                   down: tuple[int, int, int, int] | None = None, tail_m: int | None = None,
+                   split_k: int | None = None, interpret: bool | None = None) -> jax.Array:
     """Same contract as `reference` (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
     w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
     (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels, else the sorted
     blocks of block_m rows; triton: the sorted blocks as native Triton kernels (GPU only; `down`: their down
-    kernel's own tiles; split_k: the few-token gate_up's contraction slices); None here and in the tiles:
+    kernel's own tiles; tail_m: their short-block tile height; split_k: the few-token gate_up's contraction
+    slices); None here and in the tiles:
     `default_tiles`. interpret=None interprets on CPU only."""
     num_tokens, top_k = ids.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     tiles = resolve_tiles(num_tokens, num_tokens * top_k, not interpret and triton_available(),
                           few_tokens=few_tokens, triton=triton, block_m=block_m, block_n=block_n, block_k=block_k,
-                          num_warps=num_warps, num_stages=num_stages, down=down, split_k=split_k)
+                          num_warps=num_warps, num_stages=num_stages, down=down, tail_m=tail_m, split_k=split_k)
     if tiles.pop("few_tokens"):
-        for key in ("block_m", "triton", "down"):
+        for key in ("block_m", "triton", "down", "tail_m"):
             tiles.pop(key)
         return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, interpret=interpret, **tiles)
     if tiles.pop("split_k", None) is not None:
@@ -364,6 +366,8 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
         from pallas_kernels import moe_triton  # GPU only
 
         return moe_triton.routed_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, **tiles)
+    if tiles.pop("tail_m") is not None:
+        raise ValueError("moe_gemm: tail_m applies to the native Triton kernels only")
     block_m, block_n, block_k = tiles["block_m"], tiles["block_n"], tiles["block_k"]
     num_warps, num_stages = tiles["num_warps"], tiles["num_stages"]
     num_local, hidden, inter = w_gate.shape

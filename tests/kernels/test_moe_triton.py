@@ -29,14 +29,26 @@ def moe_triton():
     return module
 
 
-def interpreted_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, **metaparams):
-    """jax_triton.triton_call's contract on the CPU: array arguments, then freshly allocated outputs, as pointers;
-    outputs poisoned with NaN first, so a row the kernel should have written and did not shows."""
+POISON_INT = -7777  # what an int output holds where the kernel wrote nothing
+
+
+def interpreted_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, zeroed_outputs=(),
+                     input_output_aliases=None, **metaparams):
+    """jax_triton.triton_call's contract on the CPU: array arguments, then the outputs, as pointers; an output
+    aliased to an input is that input's buffer, the others are fresh, zeroed if asked, else poisoned (NaN, or
+    POISON_INT), so a row the kernel should have written and did not shows."""
     del num_warps, num_stages, name
     inputs = [torch.from_numpy(np.array(a)) for a in args]
-    out = torch.full(out_shape.shape, float("nan"), dtype=torch.from_numpy(np.zeros((), out_shape.dtype)).dtype)
-    kernel[grid](*inputs, out, **metaparams)
-    return jnp.asarray(out.numpy())
+    aliased = {out: inputs[i] for i, out in (input_output_aliases or {}).items()}
+    shapes = out_shape if isinstance(out_shape, (tuple, list)) else (out_shape,)
+    outs = []
+    for i, shape in enumerate(shapes):
+        dtype = torch.from_numpy(np.zeros((), shape.dtype)).dtype
+        fill = 0 if i in zeroed_outputs else float("nan") if dtype.is_floating_point else POISON_INT
+        outs.append(aliased.get(i, torch.full(shape.shape, fill, dtype=dtype)))
+    kernel[grid](*inputs, *outs, **metaparams)
+    results = [jnp.asarray(out.numpy()) for out in outs]
+    return results if isinstance(out_shape, (tuple, list)) else results[0]
 
 
 def run(moe_triton, *inputs, first_expert=0, **tiles):
@@ -74,10 +86,25 @@ def test_experts_held_elsewhere_add_nothing(moe_triton):
     assert rel_err(halves[0] + halves[1], moe_gemm.reference(x, weights, ids, wg, wu, wd)) < 1e-5
 
 
-def test_bad_block_m_is_refused(moe_triton):
+@pytest.mark.parametrize("tail_m", [16, 32])
+def test_short_blocks_run_the_tail_tile(moe_triton, tail_m):
+    """block_m 32: expert 0's 40 rows fill one block and spill 8 into a short one, expert 1's 16 fit a short block
+    exactly, expert 2's 24 do not, expert 3 gets none (tail_m 16). tail_m = block_m is the plain kernel."""
+    x, weights, _, wg, wu, wd = make_inputs(14, 40, 4, 64, 32, 2)
+    ids = jnp.asarray(np.stack([np.zeros(40, int), np.array([1] * 16 + [2] * 24)], axis=1), jnp.int32)
+    got = run(moe_triton, x, weights, ids, wg, wu, wd, block_m=32, tail_m=tail_m, block_n=32, block_k=32)
+    assert rel_err(got, moe_gemm.reference(x, weights, ids, wg, wu, wd)) < 1e-5
+
+
+def test_bad_tiles_are_refused(moe_triton):
     inputs = make_inputs(6, 4, 4, 64, 32, 2)
     with pytest.raises(ValueError, match="block_m"):
         run(moe_triton, *inputs, block_m=24)
+    for tail_m in (24, 8, 64):
+        with pytest.raises(ValueError, match="tail_m"):
+            run(moe_triton, *inputs, block_m=32, tail_m=tail_m)
+    with pytest.raises(ValueError, match="tail_m"):  # the Pallas sorted kernels have no short blocks
+        moe_gemm.routed_experts(*inputs, few_tokens=False, block_m=32, tail_m=16)
 
 
 @pytest.mark.parametrize("tokens,native,layout,block_m", [
@@ -104,3 +131,40 @@ def test_native_triton_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="jax-triton"):
         moe_gemm.resolve_tiles(4096, 4096 * 8, False, triton=True)
     assert not moe_gemm.triton_available()  # the CPU: moe_gemm.routed_experts keeps to the Pallas kernels
+
+
+@pytest.mark.parametrize("seed,tokens,experts,top_k,block_m,first_expert,num_local", [
+    (7, 1, 16, 4, 16, 0, 16),  # most experts empty
+    (8, 37, 8, 2, 16, 0, 8),  # odd count, several blocks per expert
+    (9, 300, 16, 3, 32, 0, 16),  # 900 pairs: several chunks of PLAN_CHUNK, ragged last chunk
+    (10, 50, 8, 2, 16, 4, 4),  # experts 4..7 held here, the others elsewhere
+    (11, 20, 8, 2, 128, 0, 8),  # block_m above a group's size
+    (12, 400, 20, 8, 16, 0, 20),  # 20 experts: not a power of two
+])
+def test_plan_matches_reference_plan(moe_triton, seed, tokens, experts, top_k, block_m, first_expert, num_local):
+    """The counting-sort plan is moe_gemm.plan's (a stable sort too), except for the rows past the blocks in use,
+    which it leaves unwritten (no kernel reads them)."""
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]), jnp.int32)
+    if seed == 11:
+        ids = ids.at[:, 0].set(3)  # one expert gets every token
+    want = [np.asarray(a) for a in moe_gemm.plan(ids, num_local, first_expert, block_m)]
+    got = [np.asarray(a) for a in moe_triton.plan(ids, num_local, jnp.int32(first_expert), block_m,
+                                                  interpreted_call)]
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+    used_rows = int(want[3][0]) * block_m
+    np.testing.assert_array_equal(got[0][:used_rows], want[0][:used_rows])
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_plan_over_more_chunks_than_one_scan_tile(moe_triton, monkeypatch):
+    """More chunks than the scan takes at once (its ROWS): small chunks, so the interpreter stays quick."""
+    monkeypatch.setattr(moe_triton, "PLAN_CHUNK", 16)
+    rng = np.random.default_rng(13)
+    ids = jnp.asarray(np.stack([rng.choice(16, 4, replace=False) for _ in range(530)]), jnp.int32)  # 133 chunks
+    want = [np.asarray(a) for a in moe_gemm.plan(ids, 16, 0, 16)]
+    got = [np.asarray(a) for a in moe_triton.plan(ids, 16, 0, 16, interpreted_call)]
+    np.testing.assert_array_equal(got[0][:int(want[3][0]) * 16], want[0][:int(want[3][0]) * 16])
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(g, w)
