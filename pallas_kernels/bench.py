@@ -238,13 +238,13 @@ MOE_SORTED_CONFIGS = [(None,) * 5, (64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64
                       (64, 64, 64, 4, 4)]
 MOE_SORTED_SWEEP = 4096
 # Native Triton kernels (pallas_kernels/moe_triton.py, GPU only) from MOE_SORTED_SWEEP tokens: (block_m, block_n,
-# block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages) or None: gate_up's).
-MOE_TRITON_CONFIGS = [(128, 128, 64, 8, 3, None), (128, 128, 64, 8, 4, None), (64, 128, 64, 4, 3, None),
-                      (128, 64, 64, 4, 3, None), (128, 128, 64, 8, 3, (256, 64, 8, 3)), (64, 64, 64, 4, 4, None),
-                      (128, 128, 64, 8, 3, (128, 128, 4, 3)), (64, 128, 64, 4, 4, (128, 64, 4, 4))]
+# block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages) or None: gate_up's, tail_m).
+MOE_TRITON_CONFIGS = [(128, 128, 64, 8, 4, (256, 64, 8, 4), None), (128, 128, 64, 8, 4, (256, 64, 8, 4), 32),
+                      (128, 128, 64, 8, 3, (256, 64, 8, 3), 64), (64, 128, 64, 4, 3, None, None),
+                      (128, 64, 64, 4, 3, None, 64), (64, 128, 64, 4, 4, (128, 64, 4, 4), 32)]
 # ... and below MOE_SORTED_SWEEP, where the sorted layout is memory-bound (few rows per expert)
-MOE_TRITON_SMALL_CONFIGS = [(16, 64, 64, 4, 3, None), (16, 128, 64, 4, 3, None), (32, 64, 64, 4, 3, None),
-                            (64, 128, 64, 4, 3, (128, 64, 4, 3))]
+MOE_TRITON_SMALL_CONFIGS = [(16, 64, 64, 4, 3, None, None), (16, 128, 64, 4, 3, None, None),
+                            (32, 64, 64, 4, 3, None, None), (64, 128, 64, 4, 3, (128, 64, 4, 3), 32)]
 MOE_MAX_REL_ERR = 2e-2  # bf16 outputs; a routing or indexing bug gives errors of order 1
 
 
@@ -287,8 +287,9 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> li
                         num_stages=st) for bm, bn, bk, w, st in (MOE_SORTED_CONFIGS if sweep else [(None,) * 5])]
     if native and tokens > moe_gemm.FEW_TOKENS:
         candidates += [dict(few_tokens=False, triton=True, block_m=bm, block_n=bn, block_k=bk, num_warps=w,
-                            num_stages=st, down=down)
-                       for bm, bn, bk, w, st, down in (MOE_TRITON_CONFIGS if sweep else MOE_TRITON_SMALL_CONFIGS)]
+                            num_stages=st, down=down, tail_m=tail)
+                       for bm, bn, bk, w, st, down, tail in (MOE_TRITON_CONFIGS if sweep else
+                                                              MOE_TRITON_SMALL_CONFIGS)]
     out = []
     for given in candidates:
         t = moe_gemm.resolve_tiles(tokens, tokens * dims["top_k"], native, **given)
@@ -296,6 +297,7 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> li
                                                       "triton moe (jax-triton), sorted" if t["triton"] else
                                                       "pallas moe_gemm, sorted")
         down = f"; down BN={t['down'][0]} BK={t['down'][1]} w={t['down'][2]} s={t['down'][3]}" if t["down"] else ""
+        down += f"; tail_m={t['tail_m']}" if t.get("tail_m") else ""
         label = ("" if t["few_tokens"] else f"BM={t['block_m']} ") + \
             f"BN={t['block_n']} BK={t['block_k']} w={t['num_warps']} s={t['num_stages']}" + down
         out.append((impl, label, functools.partial(moe_gemm.routed_experts, interpret=interpret, **given)))
