@@ -238,9 +238,10 @@ MOE_SORTED_CONFIGS = [(None,) * 5, (64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64
                       (64, 64, 64, 4, 4)]
 MOE_SORTED_SWEEP = 4096
 # Native Triton kernels (pallas_kernels/moe_triton.py, GPU only) from MOE_SORTED_SWEEP tokens: (block_m, block_n,
-# block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages) or None: gate_up's, tail_m).
-MOE_TRITON_CONFIGS = [(128, 128, 64, 8, 4, (256, 64, 8, 4), None), (128, 128, 64, 8, 4, (256, 64, 8, 4), 32),
-                      (128, 128, 64, 8, 3, (256, 64, 8, 3), 64), (64, 128, 64, 4, 3, None, None),
+# block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages) or None: gate_up's, tail_m or
+# None: the default's; tail_m = block_m: no short blocks).
+MOE_TRITON_CONFIGS = [(128, 128, 64, 8, 4, (256, 64, 8, 4), 128), (128, 128, 64, 8, 4, (256, 64, 8, 4), 32),
+                      (128, 128, 64, 8, 3, (256, 64, 8, 3), 64), (64, 128, 64, 4, 3, None, 64),
                       (128, 64, 64, 4, 3, None, 64), (64, 128, 64, 4, 4, (128, 64, 4, 4), 32)]
 # ... and below MOE_SORTED_SWEEP, where the sorted layout is memory-bound (few rows per expert)
 MOE_TRITON_SMALL_CONFIGS = [(16, 64, 64, 4, 3, None, None), (16, 128, 64, 4, 3, None, None),
