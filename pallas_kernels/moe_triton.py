@@ -2,9 +2,9 @@
 jax-triton (`jax_triton.triton_call`), on moe_gemm's plan (pairs sorted by expert, each expert's group padded to
 whole blocks of block_m rows), which `plan` here forms as a counting sort in four small launches (18 us at 4,096
 tokens on an H200, against 70 us for moe_gemm.plan's ~25 XLA kernels around a radix argsort; same result).
-moe_gemm.routed_experts picks these on a GPU with jax-triton (the
-`cuda` extra); jax_triton is imported only when they launch, since it refuses to import without a GPU. On the CPU
-the tests run the same kernels under Triton's interpreter (tests/kernels/test_moe_triton.py).
+moe_gemm.routed_experts picks these on a GPU with jax-triton (the `cuda` extra); jax_triton is imported only when
+they launch, since it refuses to import without a GPU. On the CPU the tests run the same kernels under Triton's
+interpreter (tests/kernels/test_moe_triton.py); scripts/check_moe_triton_gpu.py runs them natively.
 
 Why a second source for the sorted GEMMs: the Pallas-Triton version of the same blocks ran 1.13-1.74x slower on
 an H200 (172 against 266 TFLOP/s at 4,096 tokens, 286 against 426 at 16,384; BENCH_H200.md). Besides Triton's own
@@ -117,6 +117,7 @@ def _place_kernel(ids_ptr, first_expert_ptr, group_start_ptr, chunk_start_ptr, p
     for first in range(0, CHUNK, SUB):  # SUB earlier-candidates at a time: a [CHUNK, SUB] comparison
         other = tl.program_id(0) * CHUNK + first + tl.arange(0, SUB)
         other_expert = tl.load(ids_ptr + other, mask=other < NUM_PAIRS, other=0) - tl.load(first_expert_ptr)
+        # only earlier pairs count (so none past the end); non-local ones never equal a local expert
         same = (other_expert[None, :] == expert[:, None]) & (other[None, :] < pairs[:, None])
         earlier += tl.sum(same.to(tl.int32), axis=1)
     at = tl.where(local, expert, 0)
