@@ -348,8 +348,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
     (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels, else the sorted
     blocks of block_m rows; triton: the sorted blocks as native Triton kernels (GPU only; `down`: their down
     kernel's own tiles; tail_m: their short-block tile height; split_k: the few-token gate_up's contraction
-    slices); None here and in the tiles:
-    `default_tiles`. interpret=None interprets on CPU only."""
+    slices); None here and in the tiles: `default_tiles`. interpret=None interprets on CPU only."""
     num_tokens, top_k = ids.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"

@@ -31,13 +31,11 @@ PLAN_CHUNK = 256  # pairs a program of the histogram and place launches takes
 
 
 @triton.jit
-def _chunk_experts(ids_ptr, first_expert_ptr, NUM_PAIRS: tl.constexpr, NUM_LOCAL: tl.constexpr,
-                   CHUNK: tl.constexpr):
-    """This program's chunk of pairs: their flat indices, local experts, and whether this device holds them."""
-    pairs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+def _local_experts(ids_ptr, first_expert_ptr, pairs, NUM_PAIRS: tl.constexpr, NUM_LOCAL: tl.constexpr):
+    """Each pair's local expert, -1 for pairs past the end and for experts held elsewhere."""
     inside = pairs < NUM_PAIRS
     expert = tl.load(ids_ptr + pairs, mask=inside, other=0) - tl.load(first_expert_ptr)
-    return pairs, expert, inside & (expert >= 0) & (expert < NUM_LOCAL)
+    return tl.where(inside & (expert >= 0) & (expert < NUM_LOCAL), expert, -1)
 
 
 @triton.jit
@@ -49,9 +47,7 @@ def _histogram_kernel(ids_ptr, first_expert_ptr, hist_ptr, NUM_PAIRS: tl.constex
     hist = tl.zeros((EXPERTS,), tl.int32)
     for first in range(0, CHUNK, SUB):
         pairs = tl.program_id(0) * CHUNK + first + tl.arange(0, SUB)
-        inside = pairs < NUM_PAIRS
-        expert = tl.load(ids_ptr + pairs, mask=inside, other=0) - tl.load(first_expert_ptr)
-        expert = tl.where(inside & (expert >= 0) & (expert < NUM_LOCAL), expert, -1)
+        expert = _local_experts(ids_ptr, first_expert_ptr, pairs, NUM_PAIRS, NUM_LOCAL)
         hist += tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(hist_ptr + tl.program_id(0) * NUM_LOCAL + experts, hist, mask=experts < NUM_LOCAL)
 
@@ -111,13 +107,15 @@ def _place_kernel(ids_ptr, first_expert_ptr, group_start_ptr, chunk_start_ptr, p
     """Each pair's row: its group's start + the pairs of its expert in earlier chunks + those earlier in this
     chunk (so pairs keep their order within a group, as a stable sort). row_of_pair[pair] = row (NUM_ROWS for
     experts held elsewhere), pair_of_row[row] = pair (pair_of_row_in: the same buffer, padding written)."""
-    pairs, expert, local = _chunk_experts(ids_ptr, first_expert_ptr, NUM_PAIRS, NUM_LOCAL, CHUNK)
-    expert = tl.where(local, expert, -1)
+    pairs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    expert = _local_experts(ids_ptr, first_expert_ptr, pairs, NUM_PAIRS, NUM_LOCAL)
+    local = expert >= 0
     earlier = tl.zeros((CHUNK,), tl.int32)
     for first in range(0, CHUNK, SUB):  # SUB earlier-candidates at a time: a [CHUNK, SUB] comparison
         other = tl.program_id(0) * CHUNK + first + tl.arange(0, SUB)
+        # no range check here (it cost the launch 15%): only earlier pairs count, so none past the end, and an
+        # expert held elsewhere never equals a local one (places of pairs held elsewhere are not used)
         other_expert = tl.load(ids_ptr + other, mask=other < NUM_PAIRS, other=0) - tl.load(first_expert_ptr)
-        # only earlier pairs count (so none past the end); non-local ones never equal a local expert
         same = (other_expert[None, :] == expert[:, None]) & (other[None, :] < pairs[:, None])
         earlier += tl.sum(same.to(tl.int32), axis=1)
     at = tl.where(local, expert, 0)
