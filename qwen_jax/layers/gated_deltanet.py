@@ -19,8 +19,8 @@ def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, seq_lens: jax
     weight: [K, C...]. Returns (out [B, S, C...], new state = the K-1 inputs ending at each row's last valid token).
 
     Over the inputs `full` = state then x, tap i of token t reads full[t + i]. Each tap's window is formed on its
-    own (the state's rows, then x's): from one shared `full`, XLA made a copy of x and ran the whole conv at half
-    the speed (pallas_kernels/causal_conv.py is the kernel for prompts)."""
+    own (the state's rows, then x's): from one shared `full`, XLA made a copy of x (0.55 TB/s on an H200) where
+    the windows fuse into the conv's one loop over x (1.0-1.3 TB/s; BENCH_H200.md, twelfth session)."""
     kernel, seq = weight.shape[0], x.shape[1]
     state = state.astype(x.dtype)
 
@@ -136,18 +136,18 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
     return out, ssm.at[slots].set(state)
 
 
-def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule, dense_op=dense,
-              conv_op=causal_conv) -> tuple[jax.Array, dict]:
+def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule, dense_op=dense
+              ) -> tuple[jax.Array, dict]:
     """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots).
-    `delta_rule_op`, `dense_op`, `conv_op`: the recurrence (`delta_rule`), the projections' dense and the causal
-    conv, or kernels with their contracts (layers/ops.py picks)."""
+    `delta_rule_op`, `dense_op`: the recurrence (`delta_rule`) and the projections' dense, or kernels with their
+    contracts (layers/ops.py picks)."""
     slots, seq_lens = batch["state_slots"], batch["seq_lens"]
     fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
     keep = lambda t: jnp.where(fresh.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.zeros_like(t), t)  # noqa: E731
     q, k, v, z, b, a = linears(x, tuple(p[n] for n in "qkvzba"), dense_op)  # z: [B, S, Hv, Dv]; b, a: [B, S, Hv]
-    q, new_conv_q = conv_op(q, keep(cache["conv_q"][slots]), p["conv_q"], seq_lens)
-    k, new_conv_k = conv_op(k, keep(cache["conv_k"][slots]), p["conv_k"], seq_lens)
-    v, new_conv_v = conv_op(v, keep(cache["conv_v"][slots]), p["conv_v"], seq_lens)
+    q, new_conv_q = causal_conv(q, keep(cache["conv_q"][slots]), p["conv_q"], seq_lens)
+    k, new_conv_k = causal_conv(k, keep(cache["conv_k"][slots]), p["conv_k"], seq_lens)
+    v, new_conv_v = causal_conv(v, keep(cache["conv_v"][slots]), p["conv_v"], seq_lens)
 
     out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], slots, fresh, seq_lens)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)

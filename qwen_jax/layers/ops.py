@@ -10,8 +10,6 @@ Each op has one contract, shared by its reference and its kernel:
   dense(x, w, contract=1) -> float32, x's last `contract` dims against w's first; w a tuple of weights -> a tuple
       (one x through several projections: one launch for the kernel)      (qwen_jax.layers.mlp.dense)
   norm(x, weight, eps, plus_one) -> x's dtype, the last axis RMS-normalised    (qwen_jax.layers.norms.rms_norm)
-  conv(x, state, weight, seq_lens) -> (out, new state), the GDN's causal conv + SiLU
-                                                              (qwen_jax.layers.gated_deltanet.causal_conv)
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from collections.abc import Callable
 
 from qwen_jax.config import KERNELS
 from qwen_jax.layers.attention import paged_attention
-from qwen_jax.layers.gated_deltanet import causal_conv, delta_rule, slot_states
+from qwen_jax.layers.gated_deltanet import delta_rule, slot_states
 from qwen_jax.layers.mlp import dense, dense_impl, sparse_moe
 from qwen_jax.layers.norms import rms_norm
 
@@ -34,7 +32,6 @@ class Ops:
     moe: Callable
     dense: Callable
     norm: Callable
-    conv: Callable
 
 
 def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
@@ -55,12 +52,9 @@ def ops_for(kernels: str) -> Ops:
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     if kernels == "reference":
-        return Ops(attention=paged_attention, delta_rule=delta_rule, moe=sparse_moe, dense=dense, norm=rms_norm,
-                   conv=causal_conv)
-    from pallas_kernels.causal_conv import conv as conv_kernel
+        return Ops(attention=paged_attention, delta_rule=delta_rule, moe=sparse_moe, dense=dense, norm=rms_norm)
     from pallas_kernels.paged_attention import paged_attention as attention_kernel
     from pallas_kernels.rms_norm import norm as norm_kernel
 
     return Ops(attention=attention_kernel, delta_rule=delta_rule_kernels,
-               moe=functools.partial(sparse_moe, kernels="gpu"), dense=dense_impl("gpu"), norm=norm_kernel,
-               conv=conv_kernel)
+               moe=functools.partial(sparse_moe, kernels="gpu"), dense=dense_impl("gpu"), norm=norm_kernel)
