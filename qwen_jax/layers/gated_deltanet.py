@@ -31,16 +31,12 @@ def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, seq_lens: jax
     w = weight.astype(jnp.float32)
     out = sum(window(i).astype(jnp.float32) * w[i] for i in range(kernel))
     out = jax.nn.silu(out.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)  # HF rounds the conv, then SiLU
-    return out, conv_state_after(x, state, seq_lens, kernel)
-
-
-def conv_state_after(x: jax.Array, state: jax.Array, seq_lens: jax.Array, kernel: int) -> jax.Array:
-    """The conv state after each row's seq_lens tokens: the K-1 inputs of `full` (state then x) that end there."""
+    # the new state: the K-1 inputs of full ending at each row's seq_len, from x or (short rows) from the state
     at = seq_lens[:, None] + jnp.arange(kernel - 1)[None, :]  # [B, K-1] positions in full
     at = at.reshape(at.shape + (1,) * (x.ndim - 2))
-    from_x = jnp.take_along_axis(x, jnp.clip(at - (kernel - 1), 0, x.shape[1] - 1), axis=1)
-    from_state = jnp.take_along_axis(state.astype(x.dtype), jnp.clip(at, 0, kernel - 2), axis=1)
-    return jnp.where(at >= kernel - 1, from_x, from_state)
+    from_x = jnp.take_along_axis(x, jnp.clip(at - (kernel - 1), 0, seq - 1), axis=1)
+    from_state = jnp.take_along_axis(state, jnp.clip(at, 0, kernel - 2), axis=1)
+    return out, jnp.where(at >= kernel - 1, from_x, from_state)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
