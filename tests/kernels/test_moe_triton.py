@@ -146,19 +146,20 @@ def assert_plan_is_the_reference(moe_triton, ids, num_local, first_expert, block
         np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("seed,tokens,experts,top_k,block_m,first_expert,num_local", [
-    (7, 1, 16, 4, 16, 0, 16),  # most experts empty
-    (8, 37, 8, 2, 16, 0, 8),  # odd count, several blocks per expert
-    (9, 300, 16, 3, 32, 0, 16),  # 900 pairs: several chunks of PLAN_CHUNK, ragged last chunk
-    (10, 50, 8, 2, 16, 4, 4),  # experts 4..7 held here, the others elsewhere
-    (11, 20, 8, 2, 128, 0, 8),  # block_m above a group's size
-    (12, 400, 20, 8, 16, 0, 20),  # 20 experts: not a power of two
+@pytest.mark.parametrize("seed,tokens,experts,top_k,block_m,first_expert,num_local,hot_expert", [
+    (7, 1, 16, 4, 16, 0, 16, None),  # most experts empty
+    (8, 37, 8, 2, 16, 0, 8, None),  # odd count, several blocks per expert
+    (9, 300, 16, 3, 32, 0, 16, None),  # 900 pairs: several chunks of PLAN_CHUNK, ragged last chunk
+    (10, 50, 8, 2, 16, 4, 4, None),  # experts 4..7 held here, the others elsewhere
+    (11, 20, 8, 2, 128, 0, 8, 3),  # block_m above a group's size; expert 3 in every token's first slot
+    (12, 400, 20, 8, 16, 0, 20, None),  # 20 experts: not a power of two
 ])
-def test_plan_matches_reference_plan(moe_triton, seed, tokens, experts, top_k, block_m, first_expert, num_local):
+def test_plan_matches_reference_plan(moe_triton, seed, tokens, experts, top_k, block_m, first_expert, num_local,
+                                     hot_expert):
     rng = np.random.default_rng(seed)
     ids = jnp.asarray(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]), jnp.int32)
-    if seed == 11:
-        ids = ids.at[:, 0].set(3)  # one expert gets every token
+    if hot_expert is not None:
+        ids = ids.at[:, 0].set(hot_expert)
     assert_plan_is_the_reference(moe_triton, ids, num_local, first_expert, block_m)
 
 
