@@ -1,8 +1,10 @@
 """Kernel parity on random weights: greedy decoding with kernels="gpu" against kernels="reference", both engines in
 one process over one set of random weights (`dummy_params`), free-running and teacher-forced, as JSON.
 
-Random weights give near-uniform logits, so free-running greedy tokens part at near-ties within a few steps; the
-teacher-forced run (the gpu engine fed the reference's tokens) compares the logits of every step instead. Never keeps
+Random weights give near-uniform logits, so free-running greedy tokens part at near-ties; the teacher-forced run
+(the gpu engine fed the reference's tokens) compares the logits of every step instead. With the dummy weights' std
+0.02 everywhere the full-size model amplifies rounding into different logits; `--embed-scale 1 --residual-scale
+0.002` gives a model that does not (see residual_scales; scripts/device_final_check.sh runs that). Never keeps
 full-vocab logits rows beyond the current step: each step's statistics are computed on the device.
 
 Phases (each prefills every prompt, then runs --steps decode steps; step 0 is the prefill's last-token logits):
@@ -29,7 +31,7 @@ import numpy as np
 
 from qwen_jax.config import load_config
 from qwen_jax.engine.skeleton import Engine
-from qwen_jax.models.decoder import random_params
+from qwen_jax.models.decoder import param_shapes, random_params
 from qwen_jax.weights import dummy_params
 
 WINDOW = 32  # decode steps per relative-error window
@@ -56,6 +58,35 @@ def _compare(ref: jax.Array, gpu: jax.Array) -> dict:
         # how much the reference prefers its own top-1 over the gpu's (0 where they agree)
         "ref_deficit": ref[rows, ref_top1] - ref[rows, gpu_top1],
     }
+
+
+# The projections whose outputs are added to the residual stream: attention's o, Gated DeltaNet's out, the MLP's
+# and the experts' down projections.
+RESIDUAL = ("o", "out", "w_down", "shared_down")
+
+
+def residual_scales(cfg, embed_scale: float | None, residual_scale: float | None) -> dict[str, float]:
+    """random_params' per-leaf stds for --embed-scale / --residual-scale (those of this model's leaves).
+
+    With every matrix at std 0.02 (the dummy weights) each layer adds more to the residual stream than the embedding
+    holds and the full-size model amplifies one bf16 ulp into different logits (docs/ARCHITECTURE.md), so the
+    comparison cannot tell a kernel bug from rounding. A large embedding (std 1) and small residual writers (e.g.
+    0.002) keep each layer's contribution a few percent of the stream: rounding stays rounding, while the context
+    and the recurrent state still move the logits (the controls measure by how much)."""
+    names = {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(param_shapes(cfg))[0]}
+    scales = {} if embed_scale is None else {"embed": embed_scale}
+    if residual_scale is not None:
+        scales |= {name: residual_scale for name in RESIDUAL if name in names}
+    return scales
+
+
+def set_leaves(params: dict, name: str, value: float) -> dict:
+    """Every leaf called `name` filled with `value`. For dt_bias: at the dummy weights' 1 the gates' decay per token,
+    exp(-exp(A_log) * softplus(a + dt_bias)), is typically under 1e-3 (A_log draws -exp(A_log) in [-16, -1]), so
+    a random model's GDN states forget within a token or two and add little to the logits; at -4 (dt ~0.02, inside
+    the 0.001-0.1 that Mamba-style models start dt at) they remember tens of tokens."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jnp.full_like(leaf, value) if str(path[-1].key) == name else leaf, params)
 
 
 def make_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[np.ndarray]:
@@ -232,6 +263,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0, help="of the random weights and the prompts")
     ap.add_argument("--init-scale", type=float, default=None,
                     help="std of the random weights (default: the server's --load-format dummy weights, 0.02)")
+    ap.add_argument("--embed-scale", type=float, default=None,
+                    help="std of the embedding table (default: --init-scale). With --residual-scale: see RESIDUAL")
+    ap.add_argument("--residual-scale", type=float, default=None,
+                    help="std of the projections that write into the residual stream (default: --init-scale)")
+    ap.add_argument("--dt-bias", type=float, default=None,
+                    help="every GDN layer's dt_bias (default: the dummy weights' 1, see set_leaves)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -242,14 +279,18 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = make_prompts(lengths, cfg.vocab_size, args.seed)
     device = jax.devices()[0]
     t0 = time.perf_counter()
-    params = (dummy_params(cfg, seed=args.seed) if args.init_scale is None  # one copy, shared by both engines
-              else random_params(cfg, args.seed, scale=args.init_scale))
+    scales = residual_scales(cfg, args.embed_scale, args.residual_scale)
+    params = (dummy_params(cfg, seed=args.seed) if args.init_scale is None and not scales  # shared by both engines
+              else random_params(cfg, args.seed, scale=args.init_scale or 0.02, scales=scales))
+    if args.dt_bias is not None:
+        params = set_leaves(params, "dt_bias", args.dt_bias)
     params = jax.block_until_ready(params)
     params_s = time.perf_counter() - t0
     geometry = dict(max_num_seqs=len(prompts), max_model_len=max(lengths) + args.steps + 1)
     engines = {k: Engine(cfg, params, device, kernels=k, **geometry) for k in ("reference", "gpu")}
     report = {"model": args.model, "dtype": cfg.dtype, "device": str(device), "steps": args.steps,
-              "prompt_lens": lengths, "batch": len(prompts), "seed": args.seed, "params_s": round(params_s, 1)}
+              "prompt_lens": lengths, "batch": len(prompts), "seed": args.seed, "params_s": round(params_s, 1),
+              "init_scale": args.init_scale, "scales": scales, "dt_bias": args.dt_bias}
 
     def save() -> None:  # after each phase, so a run cut short still leaves what it measured
         with open(args.out, "w") as f:
@@ -287,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["teacher_forced"] = _teacher_forced_report(stats, runs["reference"]["tokens"], runs["reference"]["margins"])
     save()
     tf = report["teacher_forced"]
+    # the kernels' logits error in units of what one bf16 ulp on the embeddings does to the reference's
+    one_ulp = max(report["controls"]["embedding_one_ulp"]["median_rel_diff"], 1e-30)
     summary = {"steps": args.steps, "prompt_lens": lengths, "dtype": cfg.dtype,
                "ms_per_decode_step": {k: report[k]["ms_per_decode_step"] for k in engines},
                "control_rel_diff": {k: v and v.get("rel_diff", v.get("prefill_rel_diff"))
@@ -299,7 +342,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "disagreements_with_ref_deficit_below_noise", "agreement_where_ref_margin_above_noise",
                    "lsm_noise", "max_lsm_diff", "median_lsm_diff", "max_rel_err", "median_rel_err",
                    "reference_rerun_top1_matches")}
-               | {"prefill_rel_err": tf["prefill"]["rel_err"],
+               | {"median_rel_err_over_one_ulp_control": float(f"{tf['median_rel_err'] / one_ulp:.4g}"),
+                  "prefill_rel_err": tf["prefill"]["rel_err"],
                   "rel_err_mean_first_last_window": [w and float(f"{w['mean']:.4g}") for w in
                                                      (tf["rel_err_first_window"], tf["rel_err_last_window"])]}}
     print(json.dumps(summary), flush=True)

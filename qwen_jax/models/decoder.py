@@ -126,13 +126,18 @@ def _draw(key: jax.Array, shape: tuple, dtype, kind: str, scale: float) -> jax.A
     return (jax.random.normal(key, shape, F32) * scale).astype(dtype)
 
 
-def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, shardings: dict | None = None) -> dict:
+def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, shardings: dict | None = None,
+                  scales: dict[str, float] | None = None) -> dict:
     """Random weights with the real shapes, drawn on the devices (no host copy): the `dummy` load format.
     Norm weights start at their identity value; GDN gates get values in the range trained models have.
+    Other leaves are normal with std `scale`, or `scales[name]` for the leaves of that name (e.g. "embed", "o").
     One small program per leaf (shared by leaves of one shape): with `shardings` (a pytree like param_shapes)
     each device draws only its own shards, and compile time stays seconds even for 40 layers."""
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    unknown = set(scales or ()) - {str(path[-1].key) for path, _ in leaves}
+    if unknown:
+        raise ValueError(f"random_params: no leaf of this model is named {sorted(unknown)}")
     placement = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
     key = jax.random.key(seed)
     out = []
@@ -145,7 +150,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, sharding
         else:
             kind = "A_log" if name == "A_log" else "normal"
         draw = jax.jit(_draw, static_argnums=(1, 2, 3, 4), out_shardings=sharding)
-        out.append(draw(jax.random.fold_in(key, idx), tuple(s.shape), s.dtype, kind, scale))
+        std = (scales or {}).get(name, scale)
+        out.append(draw(jax.random.fold_in(key, idx), tuple(s.shape), s.dtype, kind, std))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
