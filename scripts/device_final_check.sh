@@ -30,7 +30,7 @@ fi
 
 if part kernel_parity; then  # one process, one copy of the random weights, engines with both kernel settings
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_PARITY:-420}" python3 scripts/kernel_parity.py \
-    --model "$MODEL" --steps "${PARITY_STEPS:-256}" ${PARITY_ARGS:---prompts 4 --embed-scale 1 --residual-scale 0.002} \
+    --model "$MODEL" --steps "${PARITY_STEPS:-256}" ${PARITY_ARGS:---prompts 4 --embed-scale 1 --residual-scale 0.002 --dt-bias -4} \
     --out "$OUT/parity.json" > "$OUT/parity.log" 2>&1
   grep "^{" "$OUT/parity.log" || tail -20 "$OUT/parity.log"
 fi

@@ -4,7 +4,8 @@ one process over one set of random weights (`dummy_params`), free-running and te
 Random weights give near-uniform logits, so free-running greedy tokens part at near-ties; the teacher-forced run
 (the gpu engine fed the reference's tokens) compares the logits of every step instead. With the dummy weights' std
 0.02 everywhere the full-size model amplifies rounding into different logits; `--embed-scale 1 --residual-scale
-0.002` gives a model that does not (see residual_scales; scripts/device_final_check.sh runs that). Never keeps
+0.002 --dt-bias -4` gives a model that does not (residual_scales, set_leaves; scripts/device_final_check.sh runs
+that; docs/ARCHITECTURE.md has its numbers). Never keeps
 full-vocab logits rows beyond the current step: each step's statistics are computed on the device.
 
 Phases (each prefills every prompt, then runs --steps decode steps; step 0 is the prefill's last-token logits):
