@@ -18,6 +18,12 @@ def free_port() -> int:
 
 
 def host_env(devices: int) -> dict:
-    """os.environ for a child process with `devices` fake CPU devices that imports the repo and these helpers."""
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
-                JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
+    """os.environ for a child process with `devices` fake CPU devices that imports the repo and these helpers. The
+    parent's other XLA flags stay (tests/conftest.py's scheduler flag: without it the two processes' collectives
+    deadlocked)."""
+    inherited = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+                 if not flag.startswith("--xla_force_host_platform_device_count")]
+    flags = " ".join([*inherited, f"--xla_force_host_platform_device_count={devices}"]
+                     + ([FAST_COMPILE] if "xla_backend_optimization_level" not in " ".join(inherited) else []))
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
+                PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
