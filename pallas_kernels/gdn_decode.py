@@ -18,7 +18,7 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Arr
               ) -> tuple[jax.Array, jax.Array]:
     """q, k: [B, nk, dk] (after conv + SiLU, before the L2 norm); v: [B, nv, dv]; a, b: [B, nv] raw;
     A_log, dt_bias: [nv]; state: [slots, nv, dk, dv] float32; state_slots: [B] int32; fresh: [B] bool, rows that
-    start a sequence (their slot is read as zeros). Returns (o [B, nv, dv] float32, state with rows `state_slots`
+    start a sequence (their slot is read as zeros). Returns (o [B, nv, dv] in v's dtype, state with rows `state_slots`
     advanced by one token): the layer's delta rule (qwen_jax.layers.gated_deltanet.delta_rule) on one token a row."""
     rows = q.shape[0]
     fresh = jnp.zeros(rows, bool) if fresh is None else fresh
@@ -57,7 +57,7 @@ def _kernel(slots_ref, fresh_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, 
     delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta  # [block_v]
     s = s + k[:, None] * delta[None, :]
     state_ref[slot, h, :, cols] = s
-    o_ref[r, h, cols] = jnp.sum(s * q[:, None], axis=0)
+    o_ref[r, h, cols] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
 
 
 def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
@@ -84,7 +84,7 @@ def gdn_decode(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Ar
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     call = pl.pallas_call(
         functools.partial(_kernel, repeat=nv // nk, block_v=block_v),
-        out_shape=(jax.ShapeDtypeStruct((batch, nv, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, state.dtype)),
+        out_shape=(jax.ShapeDtypeStruct((batch, nv, dv), v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)),
         grid=(batch, nv, dv // block_v),
         input_output_aliases={9: 1},
         interpret=interpret,

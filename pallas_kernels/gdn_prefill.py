@@ -65,7 +65,7 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Arr
     """The layer's delta rule (qwen_jax.layers.gated_deltanet.delta_rule) on states given per row: q, k
     [B, S, nk, dk] after conv + SiLU, before the L2 norm; v [B, S, nv, dv]; a, b [B, S, nv] raw; A_log, dt_bias
     [nv]; state [B, nv, dk, dv] float32; seq_lens [B] (tokens past them are padding). Returns (out [B, S, nv, dv]
-    float32, final state [B, nv, dk, dv] float32)."""
+    in v's dtype, final state [B, nv, dk, dv] float32)."""
     rows = jnp.arange(q.shape[0], dtype=jnp.int32)
     return delta_rule(q, k, v, a, b, A_log, dt_bias, state, rows, jnp.zeros(q.shape[0], bool), seq_lens)
 
@@ -185,11 +185,11 @@ def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o
         attention = _dot(q, k.T, dtype, precision) * _decay(cum)  # causal: _decay is 0 above the diagonal
         out = _dot(q * jnp.exp(cum)[:, None], states_ref[r, h, pl.ds(c * dk, dk), :], dtype, precision) \
             + _dot(attention, v_new_ref[r, h, rows, :], dtype, precision)
-        pltriton.store(out_at, jnp.where(live[:, None], out, 0.0), mask=in_bounds)
+        pltriton.store(out_at, jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype), mask=in_bounds)
 
     @pl.when(c * chunk >= seq_len)
     def _():
-        pltriton.store(out_at, jnp.zeros((chunk, dv), F32), mask=in_bounds)
+        pltriton.store(out_at, jnp.zeros((chunk, dv), o_ref.dtype), mask=in_bounds)
 
 
 def default_tiles(rows: int, dv: int) -> dict:
@@ -229,7 +229,7 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.A
     seq_lens = jnp.minimum(seq_lens.astype(jnp.int32), seq)
     w, u, k_end, cum = prepare_chunks(k, v, a, b, A_log, dt_bias, seq_lens, dtype=q.dtype, **config)
     v_new, states, state = chunk_states(w, u, k_end, cum, state, seq_lens, block_v=block_v, **config)
-    return chunk_outputs(q, k, cum, v_new, states, seq_lens, **config), state
+    return chunk_outputs(q, k, cum, v_new, states, seq_lens, out_dtype=v.dtype, **config), state
 
 
 def _launch(kernel, grid: tuple, out_shape, name: str, *, chunk_size: int, num_warps: int, num_stages: int,
@@ -275,12 +275,13 @@ def chunk_states(w: jax.Array, u: jax.Array, k_end: jax.Array, cum: jax.Array, s
 
 
 def chunk_outputs(q: jax.Array, k: jax.Array, cum: jax.Array, v_new: jax.Array, states: jax.Array,
-                  seq_lens: jax.Array, **config) -> jax.Array:
-    """Launch 3: every chunk's outputs [B, S, nv, dv] float32 (exactly 0 past each row's seq_len)."""
+                  seq_lens: jax.Array, *, out_dtype, **config) -> jax.Array:
+    """Launch 3: every chunk's outputs [B, S, nv, dv], computed in float32 and stored in `out_dtype` (exactly 0
+    past each row's seq_len)."""
     batch, seq, nk, _ = q.shape
     _, nv, padded, dv = v_new.shape
     return _launch(_output_kernel, (padded // config["chunk_size"], nv, batch),
-                   jax.ShapeDtypeStruct((batch, seq, nv, dv), F32), "gdn_prefill_output", repeat=nv // nk,
+                   jax.ShapeDtypeStruct((batch, seq, nv, dv), out_dtype), "gdn_prefill_output", repeat=nv // nk,
                    dtype=q.dtype, **config)(seq_lens, q, k, cum, v_new, states)
 
 

@@ -112,7 +112,9 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
     then one recurrent step (decode) or the chunked scan (prefill).
     q, k: [B, S, nk, dk] after the conv, before the L2 norm; v: [B, S, nv, dv]; a, b: [B, S, nv] raw; A_log, dt_bias:
     [nv]; ssm: [slots, nv, dk, dv] float32; slots, fresh (rows starting a sequence read zeros), seq_lens: [B].
-    Returns (out [B, S, nv, dv] float32, ssm with rows `slots` advanced by their seq_lens real tokens)."""
+    Returns (out [B, S, nv, dv] in v's dtype, ssm with rows `slots` advanced by their seq_lens real tokens): out is
+    computed in float32 and rounded once, where the layer (as HF) rounds it before the gated norm."""
+    out_dtype = v.dtype
     valid = jnp.arange(q.shape[1])[None, :] < seq_lens[:, None]
     repeat = v.shape[2] // q.shape[2]  # value head j reads key head j // repeat
     q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=2) * q.shape[-1] ** -0.5
@@ -129,7 +131,7 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
         out = out[:, None]
     else:
         out, state, _ = chunked_delta_rule(q, k, v, g, beta, state)
-    return out, ssm.at[slots].set(state)
+    return out.astype(out_dtype), ssm.at[slots].set(state)
 
 
 def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule, dense_op=dense

@@ -4,7 +4,7 @@ kernels="gpu". Layers receive their op from a bundle and never pick one; shardin
 Each op has one contract, shared by its reference and its kernel:
   attention(q, k_cache, v_cache, positions, context_lens, block_tables, scale, kv_head_start=0, num_kv_heads=None)
       -> [B, S, heads, D]                                     (qwen_jax.layers.attention.paged_attention)
-  delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens) -> (out [B, S, nv, dv] float32, ssm)
+  delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens) -> (out [B, S, nv, dv] in v's dtype, ssm)
                                                               (qwen_jax.layers.gated_deltanet.delta_rule)
   moe(x [T, H], p, top_k, renormalize) -> [T, H]              (qwen_jax.layers.mlp.sparse_moe)
   dense(x, w, contract=1) -> float32, x's last `contract` dims against w's first; w a tuple of weights -> a tuple

@@ -43,9 +43,10 @@ def check_against_reference(seed: int, batch: int, nk: int, nv: int, dk: int, dv
     got_o, got_state, want_o, want_state = map(np.asarray, (got_o, got_state, want_o, want_state))
 
     real = [i for i, s in enumerate(slots) if s != 0]
-    assert got_o.shape == (batch, nv, dv) and got_o.dtype == np.float32
+    assert got_o.shape == (batch, nv, dv) and got_o.dtype == inp["v"].dtype  # float32 math, rounded once at the end
     assert np.isfinite(got_o).all()  # every element written, padding rows included
-    assert rel_err(got_o[real], want_o[real]) < RTOL
+    # bf16 outputs: both round float32 values that differ by ~1e-7, so an element may land one bf16 ulp apart
+    assert rel_err(got_o[real], want_o[real]) < (RTOL if dtype == jnp.float32 else 2.0 ** -8)
     addressed = [slots[i] for i in real]
     assert rel_err(got_state[addressed], want_state[addressed]) < RTOL
     untouched = [s for s in range(1, num_slots) if s not in addressed]
