@@ -564,7 +564,7 @@ def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
     w, u, k_end, cum = prepare(k, v, a, b, A_log, dt_bias, seq_lens)
     states = jax.jit(functools.partial(gdn_prefill.chunk_states, block_v=tiles["block_v"], **config))
     v_new, chunk_states, _ = states(w, u, k_end, cum, state, seq_lens)
-    output = jax.jit(functools.partial(gdn_prefill.chunk_outputs, **config))
+    output = jax.jit(functools.partial(gdn_prefill.chunk_outputs, out_dtype=v.dtype, **config))
     timed = lambda fn, *inputs: time_call(fn, inputs, dims["repeats"], dims["inner"])
     return {"gdn_prefill_prepare": timed(prepare, k, v, a, b, A_log, dt_bias, seq_lens),
             "gdn_prefill_states": timed(states, w, u, k_end, cum, state, seq_lens),

@@ -23,10 +23,11 @@ inverse, the norms, the gates and the outputs out of it leaves it two dependent 
 price is HBM traffic: w, u, k_end, v_new (C x d each) and one state per chunk (dk x dv) written and read back in the
 dot operands' dtype.
 
-The inverse: unit-lower-triangular, by block doubling on the whole [C, C] tile. With X_s the inverse of the
+The inverse: unit-lower-triangular, by block doubling on the [C, C] tile of a chunk of up to SUB_BLOCK tokens; a
+longer chunk solves its sub-blocks in order by forward substitution (`_prepare_kernel`). With X_s the inverse of the
 block-diagonal part of I + A in blocks of s, and N_s the part of A in the blocks of 2s but not of s (the lower-left
 quarter of each 2s block), X_2s = X_s - X_s N_s X_s exactly (N_s X_s N_s = 0). X_1 = I, X_2 = I - N_1 take no dot;
-then log2(C) - 1 steps of two [C, C] dots each (10 tensor-core dots at C = 64, no solve, no slicing of values). It is
+then log2(C) - 1 steps of two [C, C] dots each (8 tensor-core dots at C = 32, no solve, no slicing of values). It is
 the recursive block inversion fla's solve_tril does at 16 -> 32 -> 64 with explicit tiles, done here with masks:
 every intermediate is a block of the true inverse or M21 M11^-1 (|A| <= 1 because beta <= 1, |k_i . k_j| <= 1 and
 decays <= 1), so nothing grows beyond the answer itself, unlike a product of (I + L^(2^i)) factors whose powers of
@@ -114,33 +115,57 @@ def _unit_lower_inverse(strict: jax.Array, precision) -> jax.Array:
     return inverse
 
 
+# The prepare launch solves the WY system in sub-blocks of this many tokens, so chunks of 64 as two (H200, one 4,096-
+# token prompt, the launch alone: 131 us with one 64-wide inverse, 77 us for chunks of 32; in the model's prefill
+# step 143 -> 123 us a layer as two sub-blocks; BENCH_H200.md, thirteenth session).
+SUB_BLOCK = 32
+
+
 def _prepare_kernel(seq_lens_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, w_ref, u_ref, k_end_ref,
                     cum_ref, *, repeat: int, chunk: int, dtype, precision):
     """One program: chunk `c` of row `r`, value head `h` -> its rows of w, k_end [B, nv, chunks * C, dk], u
     [B, nv, chunks * C, dv] (in `dtype`) and cum [B, nv, chunks * C] (float32). Chunks past the row's seq_len do
-    nothing (nothing reads them)."""
+    nothing (nothing reads them).
+
+    A chunk longer than SUB_BLOCK is solved by block forward substitution over its sub-blocks p (A_pq: the rows of
+    sub-block p against the columns of q, T_p = (I + A_pp)^-1): w_p = T_p (x_p - sum_{q<p} A_pq w_q), and u alike.
+    The same w and u as T of the whole chunk, without a [C, C] inverse whose doubling dots grow with C^3."""
     c, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq_len = seq_lens_ref[r]
+    size = min(chunk, SUB_BLOCK)
+    lanes = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]
 
     @pl.when(c * chunk < seq_len)
     def _():
-        tok = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        live = tok < seq_len
-        k = _load_normed(k_ref, r, tok, h // repeat, live)  # [C, dk]
-        lanes = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)[None, :]
-        v = pltriton.load(v_ref.at[r, tok[:, None], h, lanes], mask=live[:, None], other=0.0).astype(F32)  # [C, dv]
-        g, beta = _gates(a_ref, b_ref, a_log_ref, dt_bias_ref, r, h, tok, live)
-        cum = jnp.cumsum(g)
-        last = jnp.sum(jnp.where(jnp.arange(chunk) == chunk - 1, cum, 0.0))  # cum[-1]
-        row = jnp.arange(chunk, dtype=jnp.int32)[:, None]
-        col = jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        system = jnp.where(row > col, _dot(k * beta[:, None], k.T, dtype, precision) * _decay(cum), 0.0)
-        t = _unit_lower_inverse(system, precision)
-        rows = pl.ds(c * chunk, chunk)
-        w_ref[r, h, rows, :] = _dot(t, k * (beta * jnp.exp(cum))[:, None], dtype, precision).astype(w_ref.dtype)
-        u_ref[r, h, rows, :] = _dot(t, v * beta[:, None], dtype, precision).astype(u_ref.dtype)
-        k_end_ref[r, h, rows, :] = (k * jnp.exp(last - cum)[:, None]).astype(k_end_ref.dtype)
-        cum_ref[r, h, rows] = cum
+        gates, offset = [], 0.0  # offset: cum at the end of the sub-blocks before
+        for p in range(chunk // size):  # static: one or two sub-blocks; the gates first, for cum at the chunk's end
+            tok = c * chunk + p * size + jnp.arange(size, dtype=jnp.int32)
+            g, beta = _gates(a_ref, b_ref, a_log_ref, dt_bias_ref, r, h, tok, tok < seq_len)
+            cum = offset + jnp.cumsum(g)
+            offset = jnp.sum(jnp.where(jnp.arange(size) == size - 1, cum, 0.0))  # cum[-1]
+            gates.append((c * chunk + p * size, tok, beta, cum))
+        row = jnp.arange(size, dtype=jnp.int32)[:, None]
+        col = jnp.arange(size, dtype=jnp.int32)[None, :]
+        solved = []  # per sub-block before: k, cum, w, u (the dots' operands, kept in their dtype: fewer registers)
+        for start, tok, beta, cum in gates:
+            live = tok < seq_len
+            k = _load_normed(k_ref, r, tok, h // repeat, live)  # [size, dk]
+            v = pltriton.load(v_ref.at[r, tok[:, None], h, lanes], mask=live[:, None], other=0.0).astype(F32)
+            kb = k * beta[:, None]
+            t = _unit_lower_inverse(jnp.where(row > col, _dot(kb, k.T, dtype, precision) * _decay(cum), 0.0),
+                                    precision)
+            x, y = k * (beta * jnp.exp(cum))[:, None], v * beta[:, None]
+            for k_q, cum_q, w_q, u_q in solved:  # each of their tokens precedes these
+                a_pq = _dot(kb, k_q.T, dtype, precision) * jnp.exp(cum[:, None] - cum_q[None, :])
+                x, y = x - _dot(a_pq, w_q, dtype, precision), y - _dot(a_pq, u_q, dtype, precision)
+            w = _dot(t, x, dtype, precision).astype(w_ref.dtype)
+            u = _dot(t, y, dtype, precision).astype(u_ref.dtype)
+            rows = pl.ds(start, size)
+            w_ref[r, h, rows, :] = w
+            u_ref[r, h, rows, :] = u
+            k_end_ref[r, h, rows, :] = (k * jnp.exp(offset - cum)[:, None]).astype(k_end_ref.dtype)
+            cum_ref[r, h, rows] = cum
+            solved.append((k.astype(dtype), cum, w, u))
 
 
 def _states_kernel(seq_lens_ref, w_ref, u_ref, k_end_ref, cum_ref, state_in_ref, v_new_ref, states_ref, state_ref, *,
