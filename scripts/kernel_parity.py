@@ -5,8 +5,8 @@ Random weights give near-uniform logits, so free-running greedy tokens part at n
 (the gpu engine fed the reference's tokens) compares the logits of every step instead. With the dummy weights' std
 0.02 everywhere the full-size model amplifies rounding into different logits; `--embed-scale 1 --residual-scale
 0.002 --dt-bias -4` gives a model that does not (residual_scales, set_leaves; scripts/device_final_check.sh runs
-that; docs/ARCHITECTURE.md has its numbers). Never keeps
-full-vocab logits rows beyond the current step: each step's statistics are computed on the device.
+that; docs/ARCHITECTURE.md has its numbers). Never keeps full-vocab logits rows beyond the current step: each
+step's statistics are computed on the device.
 
 Phases (each prefills every prompt, then runs --steps decode steps; step 0 is the prefill's last-token logits):
   1. reference, free-running greedy (timed: ms per decode step of the batch, host round trip for the next token
