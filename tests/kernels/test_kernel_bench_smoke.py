@@ -1,0 +1,13 @@
+"""pallas_kernels/bench.py --small: every kernel's table on tiny shapes, interpreted on the CPU, without a failure.
+The bench is how the kernels' GPU numbers are taken; a call in it that falls behind a kernel's signature would
+otherwise only show on the device (as ecf7108's chunk_outputs change did)."""
+
+from pallas_kernels import bench
+
+
+def test_small_bench_runs_every_kernel_and_reports_no_failure(capsys):
+    assert bench.main(["--small", "--defaults-only"]) == 0
+    out = capsys.readouterr().out
+    for kernel in ("moe_gemm", "gdn_decode", "paged_attention", "gdn_prefill", "skinny_matmul", "router"):
+        assert f"### {kernel} on" in out, kernel
+    assert "gdn_prefill_output alone" in out  # each launch timed alone, with the arguments the kernels take now
