@@ -32,7 +32,7 @@ import numpy as np
 
 from qwen_jax.config import load_config
 from qwen_jax.engine.skeleton import Engine
-from qwen_jax.models.decoder import param_shapes, random_params
+from qwen_jax.models.decoder import param_names, random_params
 from qwen_jax.weights import dummy_params
 
 WINDOW = 32  # decode steps per relative-error window
@@ -74,7 +74,7 @@ def residual_scales(cfg, embed_scale: float | None, residual_scale: float | None
     comparison cannot tell a kernel bug from rounding. A large embedding (std 1) and small residual writers (e.g.
     0.002) keep each layer's contribution a few percent of the stream: rounding stays rounding, while the context
     and the recurrent state still move the logits (the controls measure by how much)."""
-    names = {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(param_shapes(cfg))[0]}
+    names = param_names(cfg)
     scales = {} if embed_scale is None else {"embed": embed_scale}
     if residual_scale is not None:
         scales |= {name: residual_scale for name in RESIDUAL if name in names}

@@ -126,6 +126,11 @@ def _draw(key: jax.Array, shape: tuple, dtype, kind: str, scale: float) -> jax.A
     return (jax.random.normal(key, shape, F32) * scale).astype(dtype)
 
 
+def param_names(cfg: ModelConfig) -> set[str]:
+    """The names of the model's parameter leaves (the last key of each path): what random_params' `scales` takes."""
+    return {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(param_shapes(cfg))[0]}
+
+
 def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, shardings: dict | None = None,
                   scales: dict[str, float] | None = None) -> dict:
     """Random weights with the real shapes, drawn on the devices (no host copy): the `dummy` load format.
@@ -135,7 +140,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, sharding
     each device draws only its own shards, and compile time stays seconds even for 40 layers."""
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    unknown = set(scales or ()) - {str(path[-1].key) for path, _ in leaves}
+    unknown = set(scales or ()) - param_names(cfg)
     if unknown:
         raise ValueError(f"random_params: no leaf of this model is named {sorted(unknown)}")
     placement = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
