@@ -523,10 +523,11 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
         ref_us = time_call(jax.jit(gdn_prefill.reference), args, dims["repeats"], dims["inner"])
         _gp_line(lines, case, *gdn_prefill_cost(seq_lens, seq, dims), ref_us, "jnp reference (XLA)", "-", ref_us)
         for chunk, block_v, warps, stages in configs:
-            default_chunk = gdn_prefill.default_tiles(rows, dims["dv"])["chunk_size"]
-            cost = gdn_prefill_cost(seq_lens, seq, dims, chunk or default_chunk)  # the kernel's own chunking
+            defaults = gdn_prefill.default_tiles(rows, dims["dv"])
+            cost = gdn_prefill_cost(seq_lens, seq, dims, chunk or defaults["chunk_size"])  # the kernel's own chunking
             line = functools.partial(_gp_line, lines, case, *cost, ref_us)
-            config = "defaults" if chunk is None else f"C={chunk} BV={block_v} w={warps} s={stages}"
+            config = "defaults" if chunk is None else f"C={chunk} BV={block_v} w={warps} s={stages}" + \
+                (" fused" if defaults["fused"] else "")  # fused by prompt count (default_tiles)
             if time.perf_counter() > deadline:
                 line("pallas gdn_prefill", config, float("nan"), note="skipped: time budget")
                 continue
@@ -553,22 +554,28 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
 
 
 def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
-    """Microseconds of each of gdn_prefill's three launches alone, at its default configuration."""
+    """Microseconds of each of gdn_prefill's launches alone (two or three, `default_tiles`), at its defaults."""
     q, k, v, a, b, A_log, dt_bias, state, seq_lens = args
     tiles = gdn_prefill.default_tiles(q.shape[0], dims["dv"])
     num_warps = inspect.signature(gdn_prefill.gdn_prefill).parameters["num_warps"].default
     config = dict(chunk_size=tiles["chunk_size"], num_warps=num_warps, num_stages=tiles["num_stages"],
                   interpret=interpret)
     seq_lens = jnp.minimum(seq_lens, q.shape[1])
+    timed = lambda fn, *inputs: time_call(fn, inputs, dims["repeats"], dims["inner"])
     prepare = jax.jit(functools.partial(gdn_prefill.prepare_chunks, dtype=q.dtype, **config))
     w, u, k_end, cum = prepare(k, v, a, b, A_log, dt_bias, seq_lens)
+    times = {"gdn_prefill_prepare": timed(prepare, k, v, a, b, A_log, dt_bias, seq_lens)}
+    if tiles["fused"]:
+        recurrence = jax.jit(functools.partial(gdn_prefill.recurrence_outputs, block_v=tiles["block_v"],
+                                               out_dtype=v.dtype, **config))
+        times["gdn_prefill_recurrence"] = timed(recurrence, q, k, w, u, k_end, cum, state, seq_lens)
+        return times
     states = jax.jit(functools.partial(gdn_prefill.chunk_states, block_v=tiles["block_v"], **config))
     v_new, chunk_states, _ = states(w, u, k_end, cum, state, seq_lens)
     output = jax.jit(functools.partial(gdn_prefill.chunk_outputs, out_dtype=v.dtype, **config))
-    timed = lambda fn, *inputs: time_call(fn, inputs, dims["repeats"], dims["inner"])
-    return {"gdn_prefill_prepare": timed(prepare, k, v, a, b, A_log, dt_bias, seq_lens),
-            "gdn_prefill_states": timed(states, w, u, k_end, cum, state, seq_lens),
-            "gdn_prefill_output": timed(output, q, k, cum, v_new, chunk_states, seq_lens)}
+    times["gdn_prefill_states"] = timed(states, w, u, k_end, cum, state, seq_lens)
+    times["gdn_prefill_output"] = timed(output, q, k, cum, v_new, chunk_states, seq_lens)
+    return times
 
 
 # ---- one-row projections ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Gated DeltaNet prefill (the chunked WY-form delta rule of flash-linear-attention's `chunk_gated_delta_rule`) as
-three Pallas kernels, with its plain-jnp `reference` beside it. Only the recurrence: it must never take over the
-projections, conv, gated norm or state slots of the layer, and never read a token past a row's seq_len.
+three Pallas kernels (two for several prompts), with its plain-jnp `reference` beside it. Only the recurrence: it
+must never take over the projections, conv, gated norm or state slots of the layer, and never read a token past a
+row's seq_len.
 
 Per chunk of C tokens (g: log decays, cum: their running sum in the chunk, beta: write strengths, K L2-normed):
     A = strict_lower((beta K) K^T * exp(cum_i - cum_j)),  T = (I + A)^-1          (the WY system)
@@ -22,6 +23,9 @@ for (one program per value block and head: 64 at 35B-A3B shapes, 128 chunks of 3
 inverse, the norms, the gates and the outputs out of it leaves it two dependent dots a chunk instead of seven. The
 price is HBM traffic: w, u, k_end, v_new (C x d each) and one state per chunk (dk x dv) written and read back in the
 dot operands' dtype.
+Several prompts (`fused`, `default_tiles`) run 2 and 3 as one launch, `_recurrence_outputs_kernel`: there are
+programs enough to hide the longer chain of a chunk step, and the chunk states and v_new, about half of the three
+launches' traffic, never leave the registers (64 x 1,024 tokens on an H200: 3.80 -> 3.25 ms; the same outputs).
 
 The inverse: unit-lower-triangular, by block doubling on the [C, C] tile of a chunk of up to SUB_BLOCK tokens; a
 longer chunk solves its sub-blocks in order by forward substitution (`_prepare_kernel`). With X_s the inverse of the
@@ -217,29 +221,73 @@ def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o
         pltriton.store(out_at, jnp.zeros((chunk, dv), o_ref.dtype), mask=in_bounds)
 
 
+def _recurrence_outputs_kernel(seq_lens_ref, q_ref, k_ref, w_ref, u_ref, k_end_ref, cum_ref, state_in_ref, o_ref,
+                               state_ref, *, repeat: int, chunk: int, block_v: int, dtype, precision):
+    """Launches 2 and 3 in one (`fused`): one program per row `r`, value head `h` and value columns
+    [j * block_v, +block_v) runs the row's chunks in order as `_states_kernel`, and forms each chunk's outputs from
+    the state in its registers as `_output_kernel` does from the stored one (the same roundings: the dots take the
+    state and v_new in `dtype` either way), so neither the chunk states nor v_new go through HBM."""
+    del state_in_ref  # aliased to state_ref (input_output_aliases): same buffer
+    j, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq_len, seq = seq_lens_ref[r], q_ref.shape[1]
+    dk = q_ref.shape[-1]
+    cols = pl.ds(j * block_v, block_v)
+    lanes = j * block_v + jnp.arange(block_v, dtype=jnp.int32)[None, :]
+
+    def out_at(c):
+        tok = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        return tok, o_ref.at[r, tok[:, None], h, lanes], (tok < seq)[:, None]
+
+    def step(c, s):  # s: [dk, block_v] float32, the state before chunk c
+        rows = pl.ds(c * chunk, chunk)
+        tok, at, in_bounds = out_at(c)
+        live = tok < seq_len
+        v_new = u_ref[r, h, rows, cols].astype(F32) - _dot(w_ref[r, h, rows, :], s, dtype, precision)
+        q = _load_normed(q_ref, r, tok, h // repeat, live) * dk ** -0.5  # [C, dk]
+        k = _load_normed(k_ref, r, tok, h // repeat, live)
+        cum = cum_ref[r, h, rows]
+        attention = _dot(q, k.T, dtype, precision) * _decay(cum)  # causal: _decay is 0 above the diagonal
+        out = _dot(q * jnp.exp(cum)[:, None], s, dtype, precision) + _dot(attention, v_new, dtype, precision)
+        pltriton.store(at, jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype), mask=in_bounds)
+        decay_all = jnp.exp(cum_ref[r, h, c * chunk + chunk - 1])
+        return s * decay_all + _dot(k_end_ref[r, h, rows, :].T, v_new, dtype, precision)
+
+    def zeros(c, carry):  # chunks past the row's seq_len
+        _, at, in_bounds = out_at(c)
+        pltriton.store(at, jnp.zeros((chunk, block_v), o_ref.dtype), mask=in_bounds)
+        return carry
+
+    num_live = jax.lax.div(seq_len + chunk - 1, chunk)
+    state_ref[r, h, :, cols] = jax.lax.fori_loop(0, num_live, step, state_ref[r, h, :, cols])
+    jax.lax.fori_loop(num_live, pl.cdiv(seq, chunk), zeros, 0)
+
+
 def default_tiles(rows: int, dv: int) -> dict:
-    """(chunk_size, block_v, num_stages) by the number of prompts, from H200 runs at 35B-A3B shapes (GPU time,
-    BENCH_H200.md): one prompt has only nv * dv / block_v recurrence programs (64 at 64 columns, on 132 SMs), so it
-    takes chunks of 64 (half the sequential steps) and 32 value columns (twice the programs): 1 x 1,024 / 2,048 /
-    4,096 tokens 109 / 211 / 403 -> 88 / 167 / 312 us. From two prompts on, chunks of 32 and 64 columns were the
-    fastest or within 4%; at 4 x 512 and 8 x 1,024, chunks of 64 were 5-16% slower."""
+    """(chunk_size, block_v, num_stages, fused) by the number of prompts, from H200 runs at 35B-A3B shapes (GPU time,
+    BENCH_H200.md). One prompt has only nv * dv / block_v recurrence programs (64 at 64 columns, on 132 SMs), so its
+    recurrence is the critical path: chunks of 64 (half the sequential steps), 32 value columns (twice the programs)
+    and the outputs in a launch of their own, out of the recurrence's way (1 x 2,048 / 4,096 tokens: 152 / 286 us,
+    fused 169 / 325). From two prompts on there are programs enough to hide that chain, and the traffic counts:
+    the outputs formed inside the recurrence (`fused`, no chunk states or v_new through HBM), chunks of 32 and 64
+    columns: 2 x 1,024 163 -> 150 us, 8 x 1,024 531 -> 426, 64 x 1,024 3,800 -> 3,253."""
     if rows == 1:
-        return dict(chunk_size=64, block_v=min(32, dv), num_stages=3)
-    return dict(chunk_size=32, block_v=min(64, dv), num_stages=2)
+        return dict(chunk_size=64, block_v=min(32, dv), num_stages=3, fused=False)
+    return dict(chunk_size=32, block_v=min(64, dv), num_stages=2, fused=True)
 
 
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
                 dt_bias: jax.Array, state: jax.Array, seq_lens: jax.Array, *, chunk_size: int | None = None,
                 block_v: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                fused: bool | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Same contract as `reference`; outputs at padding tokens are exactly 0. The state is updated in place (donate
     it in the caller's jit to avoid a copy). Cost follows each row's seq_len: chunks past it are skipped.
     chunk_size, dk, dv and block_v (the value columns of one recurrence program): powers of two, at least 16
-    (Triton's smallest dot; interpreted, only chunk_size); num_warps and num_stages apply to the three launches;
-    None: `default_tiles` for this many rows. interpret=None interprets on CPU only."""
+    (Triton's smallest dot; interpreted, only chunk_size); num_warps and num_stages apply to every launch; fused:
+    the outputs formed in the recurrence's launch; None: `default_tiles` for this many rows. interpret=None
+    interprets on CPU only."""
     batch, seq, nk, dk = q.shape
     nv, dv = v.shape[2:]
-    given = dict(chunk_size=chunk_size, block_v=block_v, num_stages=num_stages)
+    given = dict(chunk_size=chunk_size, block_v=block_v, num_stages=num_stages, fused=fused)
     tiles = default_tiles(batch, dv) | {name: value for name, value in given.items() if value is not None}
     chunk_size, block_v, num_stages = tiles["chunk_size"], tiles["block_v"], tiles["num_stages"]
     if interpret is None:
@@ -253,6 +301,9 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.A
     config = dict(chunk_size=chunk_size, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     seq_lens = jnp.minimum(seq_lens.astype(jnp.int32), seq)
     w, u, k_end, cum = prepare_chunks(k, v, a, b, A_log, dt_bias, seq_lens, dtype=q.dtype, **config)
+    if tiles["fused"]:
+        return recurrence_outputs(q, k, w, u, k_end, cum, state, seq_lens, block_v=block_v, out_dtype=v.dtype,
+                                  **config)
     v_new, states, state = chunk_states(w, u, k_end, cum, state, seq_lens, block_v=block_v, **config)
     return chunk_outputs(q, k, cum, v_new, states, seq_lens, out_dtype=v.dtype, **config), state
 
@@ -308,6 +359,18 @@ def chunk_outputs(q: jax.Array, k: jax.Array, cum: jax.Array, v_new: jax.Array, 
     return _launch(_output_kernel, (padded // config["chunk_size"], nv, batch),
                    jax.ShapeDtypeStruct((batch, seq, nv, dv), out_dtype), "gdn_prefill_output", repeat=nv // nk,
                    dtype=q.dtype, **config)(seq_lens, q, k, cum, v_new, states)
+
+
+def recurrence_outputs(q: jax.Array, k: jax.Array, w: jax.Array, u: jax.Array, k_end: jax.Array, cum: jax.Array,
+                       state: jax.Array, seq_lens: jax.Array, *, block_v: int, out_dtype, **config
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Launches 2 and 3 as one (`fused`): (outputs [B, S, nv, dv] in `out_dtype`, the final state in place)."""
+    batch, seq, nk, _ = q.shape
+    _, nv, _, dv = u.shape
+    out_shape = (jax.ShapeDtypeStruct((batch, seq, nv, dv), out_dtype), jax.ShapeDtypeStruct(state.shape, F32))
+    return _launch(_recurrence_outputs_kernel, (dv // block_v, nv, batch), out_shape, "gdn_prefill_recurrence",
+                   aliases={7: 1}, repeat=nv // nk, block_v=block_v, dtype=q.dtype, **config)(
+        seq_lens, q, k, w, u, k_end, cum, state)
 
 
 def select(kernels: str) -> Callable[..., tuple[jax.Array, jax.Array]]:

@@ -10,4 +10,5 @@ def test_small_bench_runs_every_kernel_and_reports_no_failure(capsys):
     out = capsys.readouterr().out
     for kernel in ("moe_gemm", "gdn_decode", "paged_attention", "gdn_prefill", "skinny_matmul", "router"):
         assert f"### {kernel} on" in out, kernel
-    assert "gdn_prefill_output alone" in out  # each launch timed alone, with the arguments the kernels take now
+    for launch in ("gdn_prefill_output", "gdn_prefill_recurrence"):  # one prompt / several (gdn_prefill.default_tiles)
+        assert f"{launch} alone" in out, launch  # each launch timed alone, with the arguments the kernels take now
