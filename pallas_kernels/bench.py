@@ -489,14 +489,14 @@ def gdn_prefill_cost(seq_lens: np.ndarray, seq: int, dims: dict, chunk: int = 64
     K_beta K^T, w = T K', Q K^T (C^2 dk MACs each), u = T V_beta, P v_new (C^2 dv), w S, Q S, K^T v_new (C dk dv),
     plus the inverse by block doubling (2 (log2 C - 1) C^3 MACs): 2 (3 C^2 dk + 2 C^2 dv + 3 C dk dv)
     + 4 (log2 C - 1) C^3, not counting what the kernel repeats per value block. Bytes: bf16 q, k, v, a, b of
-    every token (padding included), float32 out, float32 state read and written; the intermediates between
-    the kernel's launches not counted."""
+    every token (padding included), bf16 out (v's dtype, since ecf7108), float32 state read and written; the
+    intermediates between the kernel's launches not counted."""
     nk, nv, dk, dv = dims["nk"], dims["nv"], dims["dk"], dims["dv"]
     live_chunks = int(np.sum(-(-seq_lens // chunk)))
     per_chunk = 2 * (3 * chunk ** 2 * dk + 2 * chunk ** 2 * dv + 3 * chunk * dk * dv) \
         + 4 * (int(np.log2(chunk)) - 1) * chunk ** 3
     tokens = len(seq_lens) * seq
-    moved = tokens * (2 * nk * dk + nv * dv + 2 * nv) * 2 + tokens * nv * dv * 4 + 2 * len(seq_lens) * nv * dk * dv * 4
+    moved = tokens * (2 * nk * dk + 2 * nv * dv + 2 * nv) * 2 + 2 * len(seq_lens) * nv * dk * dv * 4
     return float(live_chunks * nv * per_chunk), float(moved)
 
 

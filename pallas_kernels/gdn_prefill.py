@@ -25,7 +25,7 @@ price is HBM traffic: w, u, k_end, v_new (C x d each) and one state per chunk (d
 dot operands' dtype.
 Several prompts (`fused`, `default_tiles`) run 2 and 3 as one launch, `_recurrence_outputs_kernel`: there are
 programs enough to hide the longer chain of a chunk step, and the chunk states and v_new, about half of the three
-launches' traffic, never leave the registers (64 x 1,024 tokens on an H200: 3.80 -> 3.25 ms; the same outputs).
+launches' traffic, never leave the registers (64 x 1,024 tokens on an H200: 3.80 -> 3.08 ms; the same outputs).
 
 The inverse: unit-lower-triangular, by block doubling on the [C, C] tile of a chunk of up to SUB_BLOCK tokens; a
 longer chunk solves its sub-blocks in order by forward substitution (`_prepare_kernel`). With X_s the inverse of the
@@ -268,11 +268,12 @@ def default_tiles(rows: int, dv: int) -> dict:
     recurrence is the critical path: chunks of 64 (half the sequential steps), 32 value columns (twice the programs)
     and the outputs in a launch of their own, out of the recurrence's way (1 x 2,048 / 4,096 tokens: 152 / 286 us,
     fused 169 / 325). From two prompts on there are programs enough to hide that chain, and the traffic counts:
-    the outputs formed inside the recurrence (`fused`, no chunk states or v_new through HBM), chunks of 32 and 64
-    columns: 2 x 1,024 163 -> 150 us, 8 x 1,024 531 -> 426, 64 x 1,024 3,800 -> 3,253."""
+    the outputs formed inside the recurrence (`fused`, no chunk states or v_new through HBM), chunks of 32, 64
+    columns and three pipeline stages (its chunk loop's loads a step ahead): 2 x 1,024 163 -> 125 us, 8 x 1,024
+    531 -> 400, 64 x 1,024 3,800 -> 3,083 (two stages: 150, 426, 3,253; four: 123, 461, 3,580)."""
     if rows == 1:
         return dict(chunk_size=64, block_v=min(32, dv), num_stages=3, fused=False)
-    return dict(chunk_size=32, block_v=min(64, dv), num_stages=2, fused=True)
+    return dict(chunk_size=32, block_v=min(64, dv), num_stages=3, fused=True)
 
 
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,

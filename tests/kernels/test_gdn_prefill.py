@@ -159,7 +159,7 @@ def test_default_tiles_by_prompt_count(batch, seq_lens):
     columns with the outputs formed in the recurrence (default_tiles); both match the reference across chunk
     boundaries."""
     assert default_tiles(batch, 128) == (dict(chunk_size=64, block_v=32, num_stages=3, fused=False) if batch == 1
-                                         else dict(chunk_size=32, block_v=64, num_stages=2, fused=True))
+                                         else dict(chunk_size=32, block_v=64, num_stages=3, fused=True))
     inputs = make_inputs(9, batch, 150, 1, 2, 16, 32, seq_lens)
     got_o, got_state = map(np.asarray, jax.jit(gdn_prefill)(**poison_padding(inputs)))
     want_o, want_state = map(np.asarray, jax.jit(reference)(**inputs))
