@@ -194,6 +194,14 @@ def _states_kernel(seq_lens_ref, w_ref, u_ref, k_end_ref, cum_ref, state_in_ref,
     state_ref[r, h, :, cols] = jax.lax.fori_loop(0, num_live, step, state_ref[r, h, :, cols])
 
 
+def _chunk_output(q: jax.Array, k: jax.Array, cum: jax.Array, state: Callable[[], jax.Array],
+                  v_new: Callable[[], jax.Array], dtype, precision) -> jax.Array:
+    """A chunk's outputs [C, dv]: (exp(cum) Q) S + causal(Q K^T * decays) v_new, q scaled and both L2-normed. The
+    state S and v_new come as thunks, read where the dots need them (the output launch loads them from HBM there)."""
+    attention = _dot(q, k.T, dtype, precision) * _decay(cum)  # causal: _decay is 0 above the diagonal
+    return _dot(q * jnp.exp(cum)[:, None], state(), dtype, precision) + _dot(attention, v_new(), dtype, precision)
+
+
 def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o_ref, *, repeat: int, chunk: int,
                    dtype, precision):
     """One program: chunk `c` of row `r`, value head `h` -> its outputs [C, dv] (zeros past the row's seq_len)."""
@@ -211,9 +219,8 @@ def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o
         k = _load_normed(k_ref, r, tok, h // repeat, live)
         rows = pl.ds(c * chunk, chunk)
         cum = cum_ref[r, h, rows]
-        attention = _dot(q, k.T, dtype, precision) * _decay(cum)  # causal: _decay is 0 above the diagonal
-        out = _dot(q * jnp.exp(cum)[:, None], states_ref[r, h, pl.ds(c * dk, dk), :], dtype, precision) \
-            + _dot(attention, v_new_ref[r, h, rows, :], dtype, precision)
+        out = _chunk_output(q, k, cum, lambda: states_ref[r, h, pl.ds(c * dk, dk), :],
+                            lambda: v_new_ref[r, h, rows, :], dtype, precision)
         pltriton.store(out_at, jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype), mask=in_bounds)
 
     @pl.when(c * chunk >= seq_len)
@@ -246,8 +253,7 @@ def _recurrence_outputs_kernel(seq_lens_ref, q_ref, k_ref, w_ref, u_ref, k_end_r
         q = _load_normed(q_ref, r, tok, h // repeat, live) * dk ** -0.5  # [C, dk]
         k = _load_normed(k_ref, r, tok, h // repeat, live)
         cum = cum_ref[r, h, rows]
-        attention = _dot(q, k.T, dtype, precision) * _decay(cum)  # causal: _decay is 0 above the diagonal
-        out = _dot(q * jnp.exp(cum)[:, None], s, dtype, precision) + _dot(attention, v_new, dtype, precision)
+        out = _chunk_output(q, k, cum, lambda: s, lambda: v_new, dtype, precision)
         pltriton.store(at, jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype), mask=in_bounds)
         decay_all = jnp.exp(cum_ref[r, h, c * chunk + chunk - 1])
         return s * decay_all + _dot(k_end_ref[r, h, rows, :].T, v_new, dtype, precision)
