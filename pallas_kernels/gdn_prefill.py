@@ -153,23 +153,27 @@ def _prepare_kernel(seq_lens_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias
         solved = []  # per sub-block before: k, cum, w, u (the dots' operands, kept in their dtype: fewer registers)
         for start, tok, beta, cum in gates:
             live = tok < seq_len
+            rows = pl.ds(start, size)
             k = _load_normed(k_ref, r, tok, h // repeat, live)  # [size, dk]
-            v = pltriton.load(v_ref.at[r, tok[:, None], h, lanes], mask=live[:, None], other=0.0).astype(F32)
+            v = pltriton.load(v_ref.at[r, tok[:, None], h, lanes], mask=live[:, None], other=0.0)
             kb = k * beta[:, None]
-            t = _unit_lower_inverse(jnp.where(row > col, _dot(kb, k.T, dtype, precision) * _decay(cum), 0.0),
-                                    precision)
-            x, y = k * (beta * jnp.exp(cum))[:, None], v * beta[:, None]
+            a = jnp.where(row > col, _dot(kb, k.T, dtype, precision) * _decay(cum), 0.0)
+            k_end_ref[r, h, rows, :] = (k * jnp.exp(offset - cum)[:, None]).astype(k_end_ref.dtype)
+            cum_ref[r, h, rows] = cum
+            x, y = k * (beta * jnp.exp(cum))[:, None], v.astype(F32) * beta[:, None]
             for k_q, cum_q, w_q, u_q in solved:  # each of their tokens precedes these
                 a_pq = _dot(kb, k_q.T, dtype, precision) * jnp.exp(cum[:, None] - cum_q[None, :])
                 x, y = x - _dot(a_pq, w_q, dtype, precision), y - _dot(a_pq, u_q, dtype, precision)
+            # Everything but the inverse is formed first, and x, y held in the dots' operand type (as _dot would
+            # round them): over the inverse's dependent dots only they and the system stay live, not k, v in float32
+            # (fewer registers, more programs a multiprocessor).
+            k, x, y = k.astype(dtype), x.astype(dtype), y.astype(dtype)
+            t = _unit_lower_inverse(a, precision)
             w = _dot(t, x, dtype, precision).astype(w_ref.dtype)
             u = _dot(t, y, dtype, precision).astype(u_ref.dtype)
-            rows = pl.ds(start, size)
             w_ref[r, h, rows, :] = w
             u_ref[r, h, rows, :] = u
-            k_end_ref[r, h, rows, :] = (k * jnp.exp(offset - cum)[:, None]).astype(k_end_ref.dtype)
-            cum_ref[r, h, rows] = cum
-            solved.append((k.astype(dtype), cum, w, u))
+            solved.append((k, cum, w, u))
 
 
 def _states_kernel(seq_lens_ref, w_ref, u_ref, k_end_ref, cum_ref, state_in_ref, v_new_ref, states_ref, state_ref, *,
