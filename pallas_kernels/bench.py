@@ -526,8 +526,7 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
             defaults = gdn_prefill.default_tiles(rows, dims["dv"])
             cost = gdn_prefill_cost(seq_lens, seq, dims, chunk or defaults["chunk_size"])  # the kernel's own chunking
             line = functools.partial(_gp_line, lines, case, *cost, ref_us)
-            config = "defaults" if chunk is None else f"C={chunk} BV={block_v} w={warps} s={stages}" + \
-                (" fused" if defaults["fused"] else "")  # fused by prompt count (default_tiles)
+            config = "defaults" if chunk is None else f"C={chunk} BV={block_v} w={warps} s={stages}"
             if time.perf_counter() > deadline:
                 line("pallas gdn_prefill", config, float("nan"), note="skipped: time budget")
                 continue
@@ -554,7 +553,7 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
 
 
 def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
-    """Microseconds of each of gdn_prefill's launches alone (two or three, `default_tiles`), at its defaults."""
+    """Microseconds of each of gdn_prefill's two launches alone, at its defaults (`default_tiles`)."""
     q, k, v, a, b, A_log, dt_bias, state, seq_lens = args
     tiles = gdn_prefill.default_tiles(q.shape[0], dims["dv"])
     num_warps = inspect.signature(gdn_prefill.gdn_prefill).parameters["num_warps"].default
@@ -562,20 +561,12 @@ def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
                   interpret=interpret)
     seq_lens = jnp.minimum(seq_lens, q.shape[1])
     timed = lambda fn, *inputs: time_call(fn, inputs, dims["repeats"], dims["inner"])
-    prepare = jax.jit(functools.partial(gdn_prefill.prepare_chunks, dtype=q.dtype, **config))
-    w, u, k_end, cum = prepare(k, v, a, b, A_log, dt_bias, seq_lens)
-    times = {"gdn_prefill_prepare": timed(prepare, k, v, a, b, A_log, dt_bias, seq_lens)}
-    if tiles["fused"]:
-        recurrence = jax.jit(functools.partial(gdn_prefill.recurrence_outputs, block_v=tiles["block_v"],
-                                               out_dtype=v.dtype, **config))
-        times["gdn_prefill_recurrence"] = timed(recurrence, q, k, w, u, k_end, cum, state, seq_lens)
-        return times
-    states = jax.jit(functools.partial(gdn_prefill.chunk_states, block_v=tiles["block_v"], **config))
-    v_new, chunk_states, _ = states(w, u, k_end, cum, state, seq_lens)
-    output = jax.jit(functools.partial(gdn_prefill.chunk_outputs, out_dtype=v.dtype, **config))
-    times["gdn_prefill_states"] = timed(states, w, u, k_end, cum, state, seq_lens)
-    times["gdn_prefill_output"] = timed(output, q, k, cum, v_new, chunk_states, seq_lens)
-    return times
+    prepare = jax.jit(functools.partial(gdn_prefill.prepare_chunks, **config))
+    prepared = prepare(q, k, v, a, b, A_log, dt_bias, seq_lens)
+    recurrence = jax.jit(functools.partial(gdn_prefill.recurrence, block_v=tiles["block_v"], out_dtype=v.dtype,
+                                           **config))
+    return {"gdn_prefill_prepare": timed(prepare, q, k, v, a, b, A_log, dt_bias, seq_lens),
+            "gdn_prefill_recurrence": timed(recurrence, q, *prepared, state, seq_lens)}
 
 
 # ---- one-row projections ---------------------------------------------------------------------------------------

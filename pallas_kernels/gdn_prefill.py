@@ -1,7 +1,6 @@
 """Gated DeltaNet prefill (the chunked WY-form delta rule of flash-linear-attention's `chunk_gated_delta_rule`) as
-three Pallas kernels (two for several prompts), with its plain-jnp `reference` beside it. Only the recurrence: it
-must never take over the projections, conv, gated norm or state slots of the layer, and never read a token past a
-row's seq_len.
+two Pallas kernels, with its plain-jnp `reference` beside it. Only the recurrence: it must never take over the
+projections, conv, gated norm or state slots of the layer, and never read a token past a row's seq_len.
 
 Per chunk of C tokens (g: log decays, cum: their running sum in the chunk, beta: write strengths, K L2-normed):
     A = strict_lower((beta K) K^T * exp(cum_i - cum_j)),  T = (I + A)^-1          (the WY system)
@@ -9,23 +8,19 @@ Per chunk of C tokens (g: log decays, cum: their running sum in the chunk, beta:
     out = (exp(cum) Q) S + causal(Q K^T * exp(cum_i - cum_j)) v_new
     S = exp(cum_last) S + (exp(cum_last - cum) K)^T v_new
 
-Three launches, fla's split: only the recurrence itself runs in order, everything else runs once per chunk in
-parallel.
+Two launches: only the chain of chunks runs in order, everything that does not need the state runs once per chunk
+in parallel before it.
 1. `_prepare_kernel` (one program per chunk x value head x row): gates, norms, T, and what the recurrence needs
-   from the chunk: w, u, the keys decayed to the chunk's end (k_end) and cum, to HBM.
-2. `_states_kernel` (one program per row x value head x block of value columns): the row's chunks in order with its
-   [dk, block_v] float32 state in registers; per chunk two dots (v_new = u - w S, then S's update), storing the
-   state it started from and v_new.
-3. `_output_kernel` (one program per chunk x value head x row): the chunk's outputs from its starting state and
-   v_new.
+   from the chunk, to HBM: w, u, the keys decayed to the chunk's end (k_end), cum, and the outputs' intra-chunk
+   scores causal(Q K^T * decays).
+2. `_recurrence_kernel` (one program per row x value head x block of value columns): the row's chunks in order with
+   its [dk, block_v] float32 state in registers; per chunk v_new = u - w S, the outputs (exp(cum) Q) S + scores
+   v_new, then S's update. Neither the chunk states nor v_new leave the registers.
 Why: the chunk loop is the only part that cannot run in parallel, and on one long prompt it is all there is to wait
-for (one program per value block and head: 64 at 35B-A3B shapes, 128 chunks of 32 at 4,096 tokens). Keeping the
-inverse, the norms, the gates and the outputs out of it leaves it two dependent dots a chunk instead of seven. The
-price is HBM traffic: w, u, k_end, v_new (C x d each) and one state per chunk (dk x dv) written and read back in the
-dot operands' dtype.
-Several prompts (`fused`, `default_tiles`) run 2 and 3 as one launch, `_recurrence_outputs_kernel`: there are
-programs enough to hide the longer chain of a chunk step, and the chunk states and v_new, about half of the three
-launches' traffic, never leave the registers (64 x 1,024 tokens on an H200: 3.80 -> 3.08 ms; the same outputs).
+for (one program per value block and head: 128 at 35B-A3B shapes with 32 columns). Keeping the inverse, the gates,
+the key norms and the scores out of it leaves four dots a chunk, two of them on the chain. The price is HBM
+traffic: w, u, k_end (C x d each) and the scores (C x C) written in the dot operands' dtype and read back. (fla
+splits in three, with the chunk states through HBM; so did this module up to its sixteenth session: BENCH_H200.md.)
 
 The inverse: unit-lower-triangular, by block doubling on the [C, C] tile of a chunk of up to SUB_BLOCK tokens; a
 longer chunk solves its sub-blocks in order by forward substitution (`_prepare_kernel`). With X_s the inverse of the
@@ -38,10 +33,10 @@ decays <= 1), so nothing grows beyond the answer itself, unlike a product of (I 
 L can reach binomial(C, C/2) before cancelling. Its rounding error is that of one matrix product per level.
 
 Numerics: float32 state, gates, decays and accumulation. Dot operands are in the model's dtype (q's), and so are the
-intermediates stored between launches (w, u, k_end, v_new, the chunk states): float32 inputs use float32 everywhere,
+intermediates stored between launches (w, u, k_end, the scores): float32 inputs use float32 everywhere,
 with dots at HIGHEST precision (IEEE on GPU; within ~3e-7 of `reference` on CPU); bf16 inputs use bf16 operands for
 every dot except the inverse, which takes float32 operands at default precision (TF32 on GPU, float32 in interpret
-mode). Storing w, k_end, v_new and the states in bf16 rounds nothing the dots would not round anyway; u is the one
+mode). Storing w, k_end and the scores in bf16 rounds nothing the dots would not round anyway; u is the one
 extra rounding (fla stores it in bf16 too): ~5e-3 relative on CPU at dk = dv = 128, within bf16 limits. Padding
 tokens (past seq_len) are never read; their outputs are exactly 0, and their rows of w, u and k_end are 0 (beta and
 k are 0 there), so they never touch a state.
@@ -125,11 +120,11 @@ def _unit_lower_inverse(strict: jax.Array, precision) -> jax.Array:
 SUB_BLOCK = 32
 
 
-def _prepare_kernel(seq_lens_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, w_ref, u_ref, k_end_ref,
-                    cum_ref, *, repeat: int, chunk: int, dtype, precision):
+def _prepare_kernel(seq_lens_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, w_ref, u_ref,
+                    k_end_ref, cum_ref, scores_ref, *, repeat: int, chunk: int, dtype, precision):
     """One program: chunk `c` of row `r`, value head `h` -> its rows of w, k_end [B, nv, chunks * C, dk], u
-    [B, nv, chunks * C, dv] (in `dtype`) and cum [B, nv, chunks * C] (float32). Chunks past the row's seq_len do
-    nothing (nothing reads them).
+    [B, nv, chunks * C, dv], the scores [B, nv, chunks * C, C] (in `dtype`) and cum [B, nv, chunks * C] (float32).
+    Chunks past the row's seq_len do nothing (nothing reads them).
 
     A chunk longer than SUB_BLOCK is solved by block forward substitution over its sub-blocks p (A_pq: the rows of
     sub-block p against the columns of q, T_p = (I + A_pp)^-1): w_p = T_p (x_p - sum_{q<p} A_pq w_q), and u alike.
@@ -156,8 +151,21 @@ def _prepare_kernel(seq_lens_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias
             rows = pl.ds(start, size)
             k = _load_normed(k_ref, r, tok, h // repeat, live)  # [size, dk]
             v = pltriton.load(v_ref.at[r, tok[:, None], h, lanes], mask=live[:, None], other=0.0)
-            kb = k * beta[:, None]
-            a = jnp.where(row > col, _dot(kb, k.T, dtype, precision) * _decay(cum), 0.0)
+            kb, decay = k * beta[:, None], _decay(cum)
+            a = jnp.where(row > col, _dot(kb, k.T, dtype, precision) * decay, 0.0)
+            # The outputs' intra-chunk scores, causal(Q K^T * decays), by blocks of columns, here rather than in the
+            # recurrence, off its chain (H200, 64 x 1,024 tokens: the recurrence 1.78 -> 1.27 ms, this launch 1.13 ->
+            # 1.41 ms at 125 -> 168 registers; formed after the inverse instead, its loads hoisted: 255 and 2.3 ms).
+            q = _load_normed(q_ref, r, tok, h // repeat, live) * q_ref.shape[-1] ** -0.5
+            for q_block in range(chunk // size):
+                if q_block < len(solved):
+                    k_q, cum_q = solved[q_block][:2]
+                    scores = _dot(q, k_q.T, dtype, precision) * jnp.exp(cum[:, None] - cum_q[None, :])
+                elif q_block == len(solved):
+                    scores = _dot(q, k.T, dtype, precision) * decay
+                else:  # causal: 0
+                    scores = jnp.zeros((size, size), F32)
+                scores_ref[r, h, rows, pl.ds(q_block * size, size)] = scores.astype(scores_ref.dtype)
             k_end_ref[r, h, rows, :] = (k * jnp.exp(offset - cum)[:, None]).astype(k_end_ref.dtype)
             cum_ref[r, h, rows] = cum
             x, y = k * (beta * jnp.exp(cum))[:, None], v.astype(F32) * beta[:, None]
@@ -177,72 +185,14 @@ def _prepare_kernel(seq_lens_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias
             solved.append((k, cum, w, u))
 
 
-def _states_kernel(seq_lens_ref, w_ref, u_ref, k_end_ref, cum_ref, state_in_ref, v_new_ref, states_ref, state_ref, *,
-                   chunk: int, block_v: int, dtype, precision):
+def _recurrence_kernel(seq_lens_ref, q_ref, w_ref, u_ref, k_end_ref, cum_ref, scores_ref, state_in_ref, o_ref,
+                       state_ref, *, repeat: int, chunk: int, block_v: int, dtype, precision):
     """One program: row `r`, value head `h`, value columns [j * block_v, +block_v): the row's live chunks in order,
-    the [dk, block_v] float32 state carried in registers. Stores each chunk's starting state into states
-    [B, nv, chunks * dk, dv] and its v_new into [B, nv, chunks * C, dv] (both in `dtype`), the final state in place."""
+    the [dk, block_v] float32 state carried in registers. Per chunk: v_new = u - w S, the chunk's outputs
+    (exp(cum) Q) S + scores v_new, then S's update; the final state in place. Chunks past seq_len get 0 outputs."""
     del state_in_ref  # aliased to state_ref (input_output_aliases): same buffer
     j, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dk = w_ref.shape[-1]
-    cols = pl.ds(j * block_v, block_v)
-
-    def step(c, s):  # s: [dk, block_v] float32, the state before chunk c
-        rows = pl.ds(c * chunk, chunk)
-        states_ref[r, h, pl.ds(c * dk, dk), cols] = s.astype(states_ref.dtype)
-        v_new = u_ref[r, h, rows, cols].astype(F32) - _dot(w_ref[r, h, rows, :], s, dtype, precision)
-        v_new_ref[r, h, rows, cols] = v_new.astype(v_new_ref.dtype)
-        decay_all = jnp.exp(cum_ref[r, h, c * chunk + chunk - 1])
-        return s * decay_all + _dot(k_end_ref[r, h, rows, :].T, v_new, dtype, precision)
-
-    num_live = jax.lax.div(seq_lens_ref[r] + chunk - 1, chunk)
-    state_ref[r, h, :, cols] = jax.lax.fori_loop(0, num_live, step, state_ref[r, h, :, cols])
-
-
-def _chunk_output(q: jax.Array, k: jax.Array, cum: jax.Array, state: Callable[[], jax.Array],
-                  v_new: Callable[[], jax.Array], dtype, precision) -> jax.Array:
-    """A chunk's outputs [C, dv]: (exp(cum) Q) S + causal(Q K^T * decays) v_new, q scaled and both L2-normed. The
-    state S and v_new come as thunks, read where the dots need them (the output launch loads them from HBM there)."""
-    attention = _dot(q, k.T, dtype, precision) * _decay(cum)  # causal: _decay is 0 above the diagonal
-    return _dot(q * jnp.exp(cum)[:, None], state(), dtype, precision) + _dot(attention, v_new(), dtype, precision)
-
-
-def _output_kernel(seq_lens_ref, q_ref, k_ref, cum_ref, v_new_ref, states_ref, o_ref, *, repeat: int, chunk: int,
-                   dtype, precision):
-    """One program: chunk `c` of row `r`, value head `h` -> its outputs [C, dv] (zeros past the row's seq_len)."""
-    c, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    seq_len, seq = seq_lens_ref[r], q_ref.shape[1]
-    dk, dv = q_ref.shape[-1], o_ref.shape[-1]
-    tok = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-    live = tok < seq_len
-    out_at = o_ref.at[r, tok[:, None], h, jnp.arange(dv, dtype=jnp.int32)[None, :]]
-    in_bounds = (tok < seq)[:, None]
-
-    @pl.when(c * chunk < seq_len)
-    def _():
-        q = _load_normed(q_ref, r, tok, h // repeat, live) * dk ** -0.5  # [C, dk]
-        k = _load_normed(k_ref, r, tok, h // repeat, live)
-        rows = pl.ds(c * chunk, chunk)
-        cum = cum_ref[r, h, rows]
-        out = _chunk_output(q, k, cum, lambda: states_ref[r, h, pl.ds(c * dk, dk), :],
-                            lambda: v_new_ref[r, h, rows, :], dtype, precision)
-        pltriton.store(out_at, jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype), mask=in_bounds)
-
-    @pl.when(c * chunk >= seq_len)
-    def _():
-        pltriton.store(out_at, jnp.zeros((chunk, dv), o_ref.dtype), mask=in_bounds)
-
-
-def _recurrence_outputs_kernel(seq_lens_ref, q_ref, k_ref, w_ref, u_ref, k_end_ref, cum_ref, state_in_ref, o_ref,
-                               state_ref, *, repeat: int, chunk: int, block_v: int, dtype, precision):
-    """Launches 2 and 3 in one (`fused`): one program per row `r`, value head `h` and value columns
-    [j * block_v, +block_v) runs the row's chunks in order as `_states_kernel`, and forms each chunk's outputs from
-    the state in its registers as `_output_kernel` does from the stored one (the same roundings: the dots take the
-    state and v_new in `dtype` either way), so neither the chunk states nor v_new go through HBM."""
-    del state_in_ref  # aliased to state_ref (input_output_aliases): same buffer
-    j, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    seq_len, seq = seq_lens_ref[r], q_ref.shape[1]
-    dk = q_ref.shape[-1]
+    seq_len, seq = seq_lens_ref[r], o_ref.shape[1]
     cols = pl.ds(j * block_v, block_v)
     lanes = j * block_v + jnp.arange(block_v, dtype=jnp.int32)[None, :]
 
@@ -253,13 +203,11 @@ def _recurrence_outputs_kernel(seq_lens_ref, q_ref, k_ref, w_ref, u_ref, k_end_r
     def step(c, s):  # s: [dk, block_v] float32, the state before chunk c
         rows = pl.ds(c * chunk, chunk)
         tok, at, in_bounds = out_at(c)
-        live = tok < seq_len
         v_new = u_ref[r, h, rows, cols].astype(F32) - _dot(w_ref[r, h, rows, :], s, dtype, precision)
-        q = _load_normed(q_ref, r, tok, h // repeat, live) * dk ** -0.5  # [C, dk]
-        k = _load_normed(k_ref, r, tok, h // repeat, live)
-        cum = cum_ref[r, h, rows]
-        out = _chunk_output(q, k, cum, lambda: s, lambda: v_new, dtype, precision)
-        pltriton.store(at, jnp.where(live[:, None], out, 0.0).astype(o_ref.dtype), mask=in_bounds)
+        q = _load_normed(q_ref, r, tok, h // repeat, tok < seq_len) * q_ref.shape[-1] ** -0.5  # [C, dk]
+        q_decayed = q * jnp.exp(cum_ref[r, h, rows])[:, None]
+        out = _dot(q_decayed, s, dtype, precision) + _dot(scores_ref[r, h, rows, :], v_new, dtype, precision)
+        pltriton.store(at, out.astype(o_ref.dtype), mask=in_bounds)  # 0 at padding: q and the scores are 0 there
         decay_all = jnp.exp(cum_ref[r, h, c * chunk + chunk - 1])
         return s * decay_all + _dot(k_end_ref[r, h, rows, :].T, v_new, dtype, precision)
 
@@ -274,32 +222,28 @@ def _recurrence_outputs_kernel(seq_lens_ref, q_ref, k_ref, w_ref, u_ref, k_end_r
 
 
 def default_tiles(rows: int, dv: int) -> dict:
-    """(chunk_size, block_v, num_stages, fused) by the number of prompts, from H200 runs at 35B-A3B shapes (GPU time,
-    BENCH_H200.md). One prompt has only nv * dv / block_v recurrence programs (64 at 64 columns, on 132 SMs), so its
-    recurrence is the critical path: chunks of 64 (half the sequential steps), 32 value columns (twice the programs)
-    and the outputs in a launch of their own, out of the recurrence's way (1 x 2,048 / 4,096 tokens: 152 / 286 us,
-    fused 169 / 325). From two prompts on there are programs enough to hide that chain, and the traffic counts:
-    the outputs formed inside the recurrence (`fused`, no chunk states or v_new through HBM), chunks of 32, 64
-    columns and three pipeline stages (its chunk loop's loads a step ahead): 2 x 1,024 163 -> 125 us, 8 x 1,024
-    531 -> 400, 64 x 1,024 3,800 -> 3,083 (two stages: 150, 426, 3,253; four: 123, 461, 3,580)."""
-    if rows == 1:
-        return dict(chunk_size=64, block_v=min(32, dv), num_stages=3, fused=False)
-    return dict(chunk_size=32, block_v=min(64, dv), num_stages=3, fused=True)
+    """(chunk_size, block_v, num_stages) by the number of prompts, from H200 runs at 35B-A3B shapes (GPU time,
+    BENCH_H200.md, sixteenth session). Chunks of 32 and three pipeline stages (the chunk loop's loads a step ahead)
+    everywhere. One prompt has only nv * dv / block_v recurrence programs on 132 SMs, so its chain of chunks is the
+    critical path: 32 value columns, twice the programs of 64 (1 x 2,048 / 4,096 tokens: 144 / 272 us, 64 columns
+    158 / 295, chunks of 64 147 / 280). From two prompts on the programs are enough and 64 columns halve the re-reads
+    of w, k_end, q and the scores (2 x 1,024: 107 us against 127 at 32 columns; 64 x 1,024: 2,737 against 3,612;
+    128 columns spill: 2,923)."""
+    return dict(chunk_size=32, block_v=min(32 if rows == 1 else 64, dv), num_stages=3)
 
 
 def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
                 dt_bias: jax.Array, state: jax.Array, seq_lens: jax.Array, *, chunk_size: int | None = None,
                 block_v: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                fused: bool | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Same contract as `reference`; outputs at padding tokens are exactly 0. The state is updated in place (donate
     it in the caller's jit to avoid a copy). Cost follows each row's seq_len: chunks past it are skipped.
     chunk_size, dk, dv and block_v (the value columns of one recurrence program): powers of two, at least 16
-    (Triton's smallest dot; interpreted, only chunk_size); num_warps and num_stages apply to every launch; fused:
-    the outputs formed in the recurrence's launch; None: `default_tiles` for this many rows. interpret=None
-    interprets on CPU only."""
+    (Triton's smallest dot; interpreted, only chunk_size); num_warps and num_stages apply to both launches; None:
+    `default_tiles` for this many rows. interpret=None interprets on CPU only."""
     batch, seq, nk, dk = q.shape
     nv, dv = v.shape[2:]
-    given = dict(chunk_size=chunk_size, block_v=block_v, num_stages=num_stages, fused=fused)
+    given = dict(chunk_size=chunk_size, block_v=block_v, num_stages=num_stages)
     tiles = default_tiles(batch, dv) | {name: value for name, value in given.items() if value is not None}
     chunk_size, block_v, num_stages = tiles["chunk_size"], tiles["block_v"], tiles["num_stages"]
     if interpret is None:
@@ -312,12 +256,8 @@ def gdn_prefill(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.A
                          f"chunk_size {chunk_size}, block_v {block_v}")
     config = dict(chunk_size=chunk_size, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     seq_lens = jnp.minimum(seq_lens.astype(jnp.int32), seq)
-    w, u, k_end, cum = prepare_chunks(k, v, a, b, A_log, dt_bias, seq_lens, dtype=q.dtype, **config)
-    if tiles["fused"]:
-        return recurrence_outputs(q, k, w, u, k_end, cum, state, seq_lens, block_v=block_v, out_dtype=v.dtype,
-                                  **config)
-    v_new, states, state = chunk_states(w, u, k_end, cum, state, seq_lens, block_v=block_v, **config)
-    return chunk_outputs(q, k, cum, v_new, states, seq_lens, out_dtype=v.dtype, **config), state
+    w, u, k_end, cum, scores = prepare_chunks(q, k, v, a, b, A_log, dt_bias, seq_lens, **config)
+    return recurrence(q, w, u, k_end, cum, scores, state, seq_lens, block_v=block_v, out_dtype=v.dtype, **config)
 
 
 def _launch(kernel, grid: tuple, out_shape, name: str, *, chunk_size: int, num_warps: int, num_stages: int,
@@ -335,54 +275,33 @@ def _launch(kernel, grid: tuple, out_shape, name: str, *, chunk_size: int, num_w
     )
 
 
-def prepare_chunks(k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bias: jax.Array,
-                   seq_lens: jax.Array, *, dtype, **config) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Launch 1 (seq_lens already clamped to the width): (w, u, k_end, cum) of every live chunk, rows of
-    [B, nv, chunks * C, ...]."""
+def prepare_chunks(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
+                   dt_bias: jax.Array, seq_lens: jax.Array, **config) -> tuple[jax.Array, ...]:
+    """Launch 1 (seq_lens already clamped to the width): (w, u, k_end, cum, scores) of every live chunk, rows of
+    [B, nv, chunks * C, ...]; scores [.., C] are the chunk's causal(Q K^T * decays), q scaled. All in q's dtype but
+    cum (float32)."""
     batch, seq, nk, dk = k.shape
     nv, dv = v.shape[2:]
-    padded = -(-seq // config["chunk_size"]) * config["chunk_size"]
-    rows_of = lambda width: jax.ShapeDtypeStruct((batch, nv, padded, width), dtype)
-    out_shape = (rows_of(dk), rows_of(dv), rows_of(dk), jax.ShapeDtypeStruct((batch, nv, padded), F32))
-    grid = (padded // config["chunk_size"], nv, batch)
-    return _launch(_prepare_kernel, grid, out_shape, "gdn_prefill_prepare", repeat=nv // nk, dtype=dtype,
-                   **config)(seq_lens, k, v, a, b, A_log, dt_bias)
+    chunk = config["chunk_size"]
+    padded = -(-seq // chunk) * chunk
+    rows_of = lambda width: jax.ShapeDtypeStruct((batch, nv, padded, width), q.dtype)
+    out_shape = (rows_of(dk), rows_of(dv), rows_of(dk), jax.ShapeDtypeStruct((batch, nv, padded), F32),
+                 rows_of(chunk))
+    grid = (padded // chunk, nv, batch)
+    return _launch(_prepare_kernel, grid, out_shape, "gdn_prefill_prepare", repeat=nv // nk, dtype=q.dtype,
+                   **config)(seq_lens, q, k, v, a, b, A_log, dt_bias)
 
 
-def chunk_states(w: jax.Array, u: jax.Array, k_end: jax.Array, cum: jax.Array, state: jax.Array, seq_lens: jax.Array,
-                 *, block_v: int, **config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Launch 2: the recurrence over each row's chunks -> (v_new, the chunk states [B, nv, chunks * dk, dv], the
-    final state in place of `state`)."""
-    batch, nv, padded, dk = w.shape
-    dv = u.shape[-1]
-    out_shape = (jax.ShapeDtypeStruct(u.shape, u.dtype),
-                 jax.ShapeDtypeStruct((batch, nv, padded // config["chunk_size"] * dk, dv), u.dtype),
-                 jax.ShapeDtypeStruct(state.shape, F32))
-    return _launch(_states_kernel, (dv // block_v, nv, batch), out_shape, "gdn_prefill_states", aliases={5: 2},
-                   block_v=block_v, dtype=u.dtype, **config)(seq_lens, w, u, k_end, cum, state)
-
-
-def chunk_outputs(q: jax.Array, k: jax.Array, cum: jax.Array, v_new: jax.Array, states: jax.Array,
-                  seq_lens: jax.Array, *, out_dtype, **config) -> jax.Array:
-    """Launch 3: every chunk's outputs [B, S, nv, dv], computed in float32 and stored in `out_dtype` (exactly 0
-    past each row's seq_len)."""
-    batch, seq, nk, _ = q.shape
-    _, nv, padded, dv = v_new.shape
-    return _launch(_output_kernel, (padded // config["chunk_size"], nv, batch),
-                   jax.ShapeDtypeStruct((batch, seq, nv, dv), out_dtype), "gdn_prefill_output", repeat=nv // nk,
-                   dtype=q.dtype, **config)(seq_lens, q, k, cum, v_new, states)
-
-
-def recurrence_outputs(q: jax.Array, k: jax.Array, w: jax.Array, u: jax.Array, k_end: jax.Array, cum: jax.Array,
-                       state: jax.Array, seq_lens: jax.Array, *, block_v: int, out_dtype, **config
-                       ) -> tuple[jax.Array, jax.Array]:
-    """Launches 2 and 3 as one (`fused`): (outputs [B, S, nv, dv] in `out_dtype`, the final state in place)."""
+def recurrence(q: jax.Array, w: jax.Array, u: jax.Array, k_end: jax.Array, cum: jax.Array, scores: jax.Array,
+               state: jax.Array, seq_lens: jax.Array, *, block_v: int, out_dtype, **config
+               ) -> tuple[jax.Array, jax.Array]:
+    """Launch 2: (outputs [B, S, nv, dv] in `out_dtype`, the final state in place of `state`)."""
     batch, seq, nk, _ = q.shape
     _, nv, _, dv = u.shape
     out_shape = (jax.ShapeDtypeStruct((batch, seq, nv, dv), out_dtype), jax.ShapeDtypeStruct(state.shape, F32))
-    return _launch(_recurrence_outputs_kernel, (dv // block_v, nv, batch), out_shape, "gdn_prefill_recurrence",
+    return _launch(_recurrence_kernel, (dv // block_v, nv, batch), out_shape, "gdn_prefill_recurrence",
                    aliases={7: 1}, repeat=nv // nk, block_v=block_v, dtype=q.dtype, **config)(
-        seq_lens, q, k, w, u, k_end, cum, state)
+        seq_lens, q, w, u, k_end, cum, scores, state)
 
 
 def select(kernels: str) -> Callable[..., tuple[jax.Array, jax.Array]]:

@@ -50,8 +50,8 @@ def test_gpu_kernels_run_the_paged_attention_kernel_for_prefill_and_decode(outpu
 
 
 def test_gpu_kernels_run_the_gdn_prefill_kernel_for_prompts(outputs):
-    """Prompts prefill through the chunked kernel, one step of more than 32 tokens (one prompt alone in a step runs
-    chunks of 64: gdn_prefill.default_tiles)."""
+    """Prompts prefill through the chunked kernel, one step of more than one chunk (32 tokens:
+    gdn_prefill.default_tiles)."""
     assert outputs["prefill_seq"] and min(outputs["prefill_seq"]) > 1 and max(outputs["prefill_seq"]) > 32
 
 

@@ -13,7 +13,7 @@ from pallas_kernels.gdn_prefill import default_tiles, gdn_prefill, reference, se
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # max |kernel - reference| / max |reference|; bf16: the kernel's dot
 # operands are bf16, the reference computes in float32 from the same (bf16) inputs
-run_kernel = jax.jit(gdn_prefill, static_argnames=("chunk_size", "block_v", "fused"))
+run_kernel = jax.jit(gdn_prefill, static_argnames=("chunk_size", "block_v"))
 run_reference = jax.jit(reference)
 
 
@@ -43,12 +43,11 @@ def rel_err(x, y) -> float:
     return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
 
 
-def check_against_reference(inputs: dict, chunk_size: int, block_v: int, fused: bool) -> None:
+def check_against_reference(inputs: dict, chunk_size: int, block_v: int) -> None:
     """The kernel on NaN-poisoned padding against the reference on finite padding: real outputs and every row's
     final state match, padding outputs are exactly 0, rows without tokens keep their state bit for bit."""
     want_o, want_state = map(np.asarray, run_reference(**inputs))
-    got_o, got_state = map(np.asarray, run_kernel(**poison_padding(inputs), chunk_size=chunk_size, block_v=block_v,
-                                                  fused=fused))
+    got_o, got_state = map(np.asarray, run_kernel(**poison_padding(inputs), chunk_size=chunk_size, block_v=block_v))
     seq_lens = np.asarray(inputs["seq_lens"])
     real = np.arange(got_o.shape[1])[None, :] < seq_lens[:, None]  # [B, S]
 
@@ -65,28 +64,18 @@ def check_against_reference(inputs: dict, chunk_size: int, block_v: int, fused: 
 @pytest.mark.parametrize("batch, seq, nk, nv, dk, dv, seq_lens, chunk_size, block_v", [
     (3, 70, 2, 4, 16, 32, [70, 0, 33], 16, 16),           # 5 chunks, a row without tokens; 2 value blocks; dk != dv
     (5, 40, 1, 4, 32, 16, [1, 32, 40, 0, 17], 32, 16),    # odd batch; 1 token, exactly one chunk; key head x4
-    (2, 150, 2, 2, 32, 32, [150, 64], 64, 32),            # chunk 64: three chunks (the last partial), exactly one
-])
-@pytest.mark.parametrize("fused", [False, True])  # outputs in a launch of their own / in the recurrence's
-def test_gdn_prefill_matches_reference(batch, seq, nk, nv, dk, dv, seq_lens, chunk_size, block_v, fused):
+    (2, 150, 2, 2, 32, 32, [150, 64], 64, 32),            # chunk 64 (two sub-blocks, scores across them): three
+])                                                        # chunks (the last partial), exactly one
+def test_gdn_prefill_matches_reference(batch, seq, nk, nv, dk, dv, seq_lens, chunk_size, block_v):
     for seed in range(2):  # fresh random inputs each check
-        check_against_reference(make_inputs(seed, batch, seq, nk, nv, dk, dv, seq_lens), chunk_size, block_v, fused)
+        check_against_reference(make_inputs(seed, batch, seq, nk, nv, dk, dv, seq_lens), chunk_size, block_v)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_gdn_prefill_matches_reference_with_bfloat16_inputs(fused):
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_gdn_prefill_matches_reference_with_bfloat16_inputs(chunk_size):
     """The model feeds bf16 q/k/v/a/b: bf16 dot operands and T, float32 state and accumulation."""
     inputs = make_inputs(7, 3, 70, 2, 4, 16, 32, [70, 5, 48], jnp.bfloat16)
-    check_against_reference(inputs, chunk_size=32, block_v=16, fused=fused)
-
-
-def test_fused_outputs_equal_the_separate_launch():
-    """The recurrence forming the outputs from the state in its registers rounds as the output launch does from
-    the stored chunk states (both dots take the state and v_new in bf16): the same outputs and final state."""
-    inputs = make_inputs(3, 2, 100, 2, 4, 16, 32, [100, 61], jnp.bfloat16)
-    separate, fused = (run_kernel(**inputs, chunk_size=32, block_v=16, fused=f) for f in (False, True))
-    for x, y in zip(separate, fused):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    check_against_reference(inputs, chunk_size=chunk_size, block_v=16)
 
 
 def test_padding_tokens_never_change_the_state():
@@ -128,16 +117,16 @@ def _lowered_for_cuda(batch: int, seq: int, **options) -> str:
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
 
 
-def test_gdn_prefill_lowers_to_three_triton_calls_for_cuda():
-    """64 x 1,024 tokens, outputs in their own launch: the chunk preparation over (chunk, head, row), the recurrence
-    over (value block, head, row), which updates the state operand in place, then the outputs over (chunk, head,
-    row)."""
-    text = _lowered_for_cuda(64, 1024, chunk_size=64, block_v=64, num_warps=8, fused=False)
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 3
-    assert text.count("grid_x = 16 : i32, grid_y = 32 : i32, grid_z = 64 : i32") == 2  # 1,024 / 64 chunks
+def test_given_tiles_reach_both_triton_calls_for_cuda():
+    """64 x 1,024 tokens, tiles given: the chunk preparation over (chunk, head, row) in chunks of 64, the
+    recurrence over (value block, head, row) on 64 columns, both on 8 warps; the state (operand 7) updated in
+    place."""
+    text = _lowered_for_cuda(64, 1024, chunk_size=64, block_v=64, num_warps=8)
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
+    assert "grid_x = 16 : i32, grid_y = 32 : i32, grid_z = 64 : i32" in text  # 1,024 / 64 chunks
     assert "grid_x = 2 : i32, grid_y = 32 : i32, grid_z = 64 : i32" in text  # 128 / 64 value blocks
-    assert text.count("num_warps = 8 : i32") == 3
-    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [2], operand_index = 5" \
+    assert text.count("num_warps = 8 : i32") == 2
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [1], operand_index = 7" \
         in text
 
 
@@ -155,11 +144,9 @@ def test_several_prompts_lower_to_two_triton_calls_for_cuda():
 
 @pytest.mark.parametrize("batch, seq_lens", [(1, [150]), (2, [150, 37])])
 def test_default_tiles_by_prompt_count(batch, seq_lens):
-    """Without tiles given, one prompt runs chunks of 64 and 32 value columns, several prompts chunks of 32 and 64
-    columns with the outputs formed in the recurrence (default_tiles); both match the reference across chunk
-    boundaries."""
-    assert default_tiles(batch, 128) == (dict(chunk_size=64, block_v=32, num_stages=3, fused=False) if batch == 1
-                                         else dict(chunk_size=32, block_v=64, num_stages=3, fused=True))
+    """Without tiles given: chunks of 32, with 32 value columns for one prompt (twice the recurrence programs) and 64
+    for several (default_tiles); both match the reference across chunk boundaries."""
+    assert default_tiles(batch, 128) == dict(chunk_size=32, block_v=32 if batch == 1 else 64, num_stages=3)
     inputs = make_inputs(9, batch, 150, 1, 2, 16, 32, seq_lens)
     got_o, got_state = map(np.asarray, jax.jit(gdn_prefill)(**poison_padding(inputs)))
     want_o, want_state = map(np.asarray, jax.jit(reference)(**inputs))
@@ -167,8 +154,8 @@ def test_default_tiles_by_prompt_count(batch, seq_lens):
     assert rel_err(got_o[real], want_o[real]) < 1e-4 and rel_err(got_state, want_state) < 1e-4
 
 
-def test_one_prompt_lowers_with_chunks_of_64_and_32_value_columns():
+def test_one_prompt_lowers_with_32_value_columns():
     text = _lowered_for_cuda(1, 2048)
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 3  # the outputs in a launch of their own
-    assert text.count("grid_x = 32 : i32, grid_y = 32 : i32, grid_z = 1 : i32") == 2  # 2,048 / 64 chunks
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
+    assert "grid_x = 64 : i32, grid_y = 32 : i32, grid_z = 1 : i32" in text  # 2,048 / 32 chunks
     assert "grid_x = 4 : i32, grid_y = 32 : i32, grid_z = 1 : i32" in text  # 128 / 32 value blocks

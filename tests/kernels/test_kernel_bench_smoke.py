@@ -1,6 +1,6 @@
 """pallas_kernels/bench.py --small: every kernel's table on tiny shapes, interpreted on the CPU, without a failure.
 The bench is how the kernels' GPU numbers are taken; a call in it that falls behind a kernel's signature would
-otherwise only show on the device (as ecf7108's chunk_outputs change did)."""
+otherwise only show on the device (as ecf7108's change of a launch's arguments did)."""
 
 from pallas_kernels import bench
 
@@ -10,5 +10,5 @@ def test_small_bench_runs_every_kernel_and_reports_no_failure(capsys):
     out = capsys.readouterr().out
     for kernel in ("moe_gemm", "gdn_decode", "paged_attention", "gdn_prefill", "skinny_matmul", "router"):
         assert f"### {kernel} on" in out, kernel
-    for launch in ("gdn_prefill_output", "gdn_prefill_recurrence"):  # one prompt / several (gdn_prefill.default_tiles)
+    for launch in ("gdn_prefill_prepare", "gdn_prefill_recurrence"):
         assert f"{launch} alone" in out, launch  # each launch timed alone, with the arguments the kernels take now
