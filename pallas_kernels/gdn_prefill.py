@@ -150,13 +150,12 @@ def _prepare_kernel(seq_lens_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, 
             live = tok < seq_len
             rows = pl.ds(start, size)
             k = _load_normed(k_ref, r, tok, h // repeat, live)  # [size, dk]
-            v = pltriton.load(v_ref.at[r, tok[:, None], h, lanes], mask=live[:, None], other=0.0)
-            kb, decay = k * beta[:, None], _decay(cum)
-            a = jnp.where(row > col, _dot(kb, k.T, dtype, precision) * decay, 0.0)
+            decay = _decay(cum)
             # The outputs' intra-chunk scores, causal(Q K^T * decays), by blocks of columns, here rather than in the
-            # recurrence, off its chain (H200, 64 x 1,024 tokens: the recurrence 1.78 -> 1.27 ms, this launch 1.13 ->
-            # 1.41 ms at 125 -> 168 registers; formed after the inverse instead, its loads hoisted: 255 and 2.3 ms).
-            q = _load_normed(q_ref, r, tok, h // repeat, live) * q_ref.shape[-1] ** -0.5
+            # recurrence, off its chain (64 x 1,024 tokens, H200: the recurrence 1.78 -> 1.27 ms). Formed before v is
+            # loaded, q held in the dots' dtype (as _dot rounds it): 128 registers, against 168 with q in float32 beside
+            # v (H100, 64 x 1,024: 1.35 against 1.41 ms) and 255 formed after the inverse (its loads hoisted; 2.3 ms).
+            q = (_load_normed(q_ref, r, tok, h // repeat, live) * q_ref.shape[-1] ** -0.5).astype(dtype)
             for q_block in range(chunk // size):
                 if q_block < len(solved):
                     k_q, cum_q = solved[q_block][:2]
@@ -166,6 +165,9 @@ def _prepare_kernel(seq_lens_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, 
                 else:  # causal: 0
                     scores = jnp.zeros((size, size), F32)
                 scores_ref[r, h, rows, pl.ds(q_block * size, size)] = scores.astype(scores_ref.dtype)
+            v = pltriton.load(v_ref.at[r, tok[:, None], h, lanes], mask=live[:, None], other=0.0)
+            kb = k * beta[:, None]
+            a = jnp.where(row > col, _dot(kb, k.T, dtype, precision) * decay, 0.0)
             k_end_ref[r, h, rows, :] = (k * jnp.exp(offset - cum)[:, None]).astype(k_end_ref.dtype)
             cum_ref[r, h, rows] = cum
             x, y = k * (beta * jnp.exp(cum))[:, None], v.astype(F32) * beta[:, None]
