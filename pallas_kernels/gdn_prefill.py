@@ -114,9 +114,9 @@ def _unit_lower_inverse(strict: jax.Array, precision) -> jax.Array:
     return inverse
 
 
-# The prepare launch solves the WY system in sub-blocks of this many tokens, so chunks of 64 as two (H200, one 4,096-
-# token prompt, the launch alone: 131 us with one 64-wide inverse, 77 us for chunks of 32; in the model's prefill
-# step 143 -> 123 us a layer as two sub-blocks; BENCH_H200.md, thirteenth session).
+# The prepare launch solves the WY system in sub-blocks of this many tokens, so a chunk of 64 (only when asked for:
+# the defaults are chunks of 32) as two (H200, one 4,096-token prompt, the launch alone: 131 us with one 64-wide
+# inverse, 77 us for chunks of 32; BENCH_H200.md, thirteenth session).
 SUB_BLOCK = 32
 
 
