@@ -151,6 +151,7 @@ def _prepare_kernel(seq_lens_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, 
             rows = pl.ds(start, size)
             k = _load_normed(k_ref, r, tok, h // repeat, live)  # [size, dk]
             decay = _decay(cum)
+            decays_from = [jnp.exp(cum[:, None] - cum_q[None, :]) for _, cum_q, _, _ in solved]  # earlier sub-blocks
             # The outputs' intra-chunk scores, causal(Q K^T * decays), by blocks of columns, here rather than in the
             # recurrence, off its chain (64 x 1,024 tokens, H200: the recurrence 1.78 -> 1.27 ms). Formed before v is
             # loaded, q held in the dots' dtype (as _dot rounds it): 128 registers, against 168 with q in float32 beside
@@ -158,8 +159,7 @@ def _prepare_kernel(seq_lens_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, 
             q = (_load_normed(q_ref, r, tok, h // repeat, live) * q_ref.shape[-1] ** -0.5).astype(dtype)
             for q_block in range(chunk // size):
                 if q_block < len(solved):
-                    k_q, cum_q = solved[q_block][:2]
-                    scores = _dot(q, k_q.T, dtype, precision) * jnp.exp(cum[:, None] - cum_q[None, :])
+                    scores = _dot(q, solved[q_block][0].T, dtype, precision) * decays_from[q_block]
                 elif q_block == len(solved):
                     scores = _dot(q, k.T, dtype, precision) * decay
                 else:  # causal: 0
@@ -171,8 +171,8 @@ def _prepare_kernel(seq_lens_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, 
             k_end_ref[r, h, rows, :] = (k * jnp.exp(offset - cum)[:, None]).astype(k_end_ref.dtype)
             cum_ref[r, h, rows] = cum
             x, y = k * (beta * jnp.exp(cum))[:, None], v.astype(F32) * beta[:, None]
-            for k_q, cum_q, w_q, u_q in solved:  # each of their tokens precedes these
-                a_pq = _dot(kb, k_q.T, dtype, precision) * jnp.exp(cum[:, None] - cum_q[None, :])
+            for (k_q, _, w_q, u_q), decay_q in zip(solved, decays_from):  # each of their tokens precedes these
+                a_pq = _dot(kb, k_q.T, dtype, precision) * decay_q
                 x, y = x - _dot(a_pq, w_q, dtype, precision), y - _dot(a_pq, u_q, dtype, precision)
             # Everything but the inverse is formed first, and x, y held in the dots' operand type (as _dot would
             # round them): over the inverse's dependent dots only they and the system stay live, not k, v in float32.
