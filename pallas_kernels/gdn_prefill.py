@@ -231,12 +231,12 @@ def _recurrence_kernel(seq_lens_ref, q_ref, w_ref, u_ref, k_end_ref, cum_ref, sc
 
 def default_tiles(rows: int, dv: int) -> dict:
     """(chunk_size, block_v, num_stages) by the number of prompts, from H200 runs at 35B-A3B shapes (GPU time,
-    BENCH_H200.md, sixteenth session). Chunks of 32 and three pipeline stages (the chunk loop's loads a step ahead)
-    everywhere. One prompt has only nv * dv / block_v recurrence programs on 132 SMs, so its chain of chunks is the
-    critical path: 32 value columns, twice the programs of 64 (1 x 2,048 / 4,096 tokens: 144 / 272 us, 64 columns
-    158 / 295, chunks of 64 147 / 280). From two prompts on the programs are enough and 64 columns halve the re-reads
-    of w, k_end, q and the scores (2 x 1,024: 107 us against 127 at 32 columns; 64 x 1,024: 2,737 against 3,612;
-    128 columns spill: 2,923)."""
+    BENCH_H200.md, sixteenth and seventeenth sessions). Chunks of 32 and three pipeline stages (the chunk loop's
+    loads a step ahead) everywhere. One prompt has only nv * dv / block_v recurrence programs on 132 SMs, so its chain
+    of chunks is the critical path: 32 value columns, twice the programs of 64 (the recurrence alone at 4,096 tokens:
+    150 us, 64 columns 165; whole op with chunks of 64: 270 against 240). From two prompts on the programs are
+    enough and 64 columns halve the re-reads of w, k_end, q and the scores (the recurrence alone at 64 x 1,024:
+    1,098 us against 1,833 at 32 columns and 1,175 at 128 on 8 warps)."""
     return dict(chunk_size=32, block_v=min(32 if rows == 1 else 64, dv), num_stages=3)
 
 
