@@ -14,13 +14,14 @@ from pallas_kernels.gdn_prefill import default_tiles, gdn_prefill, reference, se
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # max |kernel - reference| / max |reference|; bf16: the kernel's dot
 # operands are bf16, the reference computes in float32 from the same (bf16) inputs
 run_kernel = jax.jit(gdn_prefill, static_argnames=("chunk_size", "block_v"))
+_jitted_reference = jax.jit(reference)
 
 
 def run_reference(**inputs):
     """The reference in float32 throughout: on a GPU, XLA's default would take float32 dots as TF32 (~5e-4 off),
     where the kernel's float32 dots are IEEE; on the CPU this changes nothing."""
     with jax.default_matmul_precision("highest"):
-        return jax.jit(reference)(**inputs)
+        return _jitted_reference(**inputs)
 
 
 def make_inputs(seed: int, batch: int, seq: int, nk: int, nv: int, dk: int, dv: int, seq_lens: list[int],
