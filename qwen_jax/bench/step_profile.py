@@ -178,7 +178,7 @@ def main() -> None:
         row["attention_ms"] = round(_time(f, x, params["layers"][attn_i]["mixer"], cache["layers"][attn_i], batch)[1]
                                     * 1e3, 3)
         if gdn_i is not None:
-            f = jax.jit(lambda x, p, c, bt: gdn_layer(x, p, c, bt, cfg, ops.delta_rule, ops.dense)[0])
+            f = jax.jit(lambda x, p, c, bt: gdn_layer(x, p, c, bt, cfg, ops.delta_rule, ops.dense, ops.conv)[0])
             row["gdn_ms"] = round(_time(f, x, params["layers"][gdn_i]["mixer"], cache["layers"][gdn_i], batch)[1]
                                   * 1e3, 3)
         mlp = params["layers"][0]["mlp"]

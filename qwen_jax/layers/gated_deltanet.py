@@ -31,12 +31,25 @@ def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, seq_lens: jax
     w = weight.astype(jnp.float32)
     out = sum(window(i).astype(jnp.float32) * w[i] for i in range(kernel))
     out = jax.nn.silu(out.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)  # HF rounds the conv, then SiLU
-    # the new state: the K-1 inputs of full ending at each row's seq_len, from x or (short rows) from the state
+    return out, conv_state(x, state, seq_lens, kernel)
+
+
+def conv_state(x: jax.Array, state: jax.Array, seq_lens: jax.Array, kernel: int) -> jax.Array:
+    """The conv's new state: the K-1 inputs of `full` (state then x) ending at each row's seq_len, from x or (rows
+    shorter than K-1) from the state. x: [B, S, C...]; state: [B, K-1, C...] -> [B, K-1, C...] in x's dtype."""
+    seq, state = x.shape[1], state.astype(x.dtype)
     at = seq_lens[:, None] + jnp.arange(kernel - 1)[None, :]  # [B, K-1] positions in full
     at = at.reshape(at.shape + (1,) * (x.ndim - 2))
     from_x = jnp.take_along_axis(x, jnp.clip(at - (kernel - 1), 0, seq - 1), axis=1)
     from_state = jnp.take_along_axis(state, jnp.clip(at, 0, kernel - 2), axis=1)
-    return out, jnp.where(at >= kernel - 1, from_x, from_state)
+    return jnp.where(at >= kernel - 1, from_x, from_state)
+
+
+def causal_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
+                 seq_lens: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """`causal_conv` of each (x, state, weight): the layer's `conv` op (q, k and v; pallas_kernels/causal_conv.py is
+    its kernel, one launch for all three)."""
+    return tuple(causal_conv(x, state, w, seq_lens) for x, state, w in zip(xs, states, weights, strict=True))
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -134,18 +147,18 @@ def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
     return out.astype(out_dtype), ssm.at[slots].set(state)
 
 
-def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule, dense_op=dense
-              ) -> tuple[jax.Array, dict]:
+def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule, dense_op=dense,
+              conv_op=causal_convs) -> tuple[jax.Array, dict]:
     """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots).
-    `delta_rule_op`, `dense_op`: the recurrence (`delta_rule`) and the projections' dense, or kernels with their
-    contracts (layers/ops.py picks)."""
+    `delta_rule_op`, `dense_op`, `conv_op`: the recurrence (`delta_rule`), the projections' dense and the convs
+    (`causal_convs`), or kernels with their contracts (layers/ops.py picks)."""
     slots, seq_lens = batch["state_slots"], batch["seq_lens"]
     fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
     keep = lambda t: jnp.where(fresh.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.zeros_like(t), t)  # noqa: E731
     q, k, v, z, b, a = linears(x, tuple(p[n] for n in "qkvzba"), dense_op)  # z: [B, S, Hv, Dv]; b, a: [B, S, Hv]
-    q, new_conv_q = causal_conv(q, keep(cache["conv_q"][slots]), p["conv_q"], seq_lens)
-    k, new_conv_k = causal_conv(k, keep(cache["conv_k"][slots]), p["conv_k"], seq_lens)
-    v, new_conv_v = causal_conv(v, keep(cache["conv_v"][slots]), p["conv_v"], seq_lens)
+    (q, new_conv_q), (k, new_conv_k), (v, new_conv_v) = conv_op(
+        (q, k, v), tuple(keep(cache[n][slots]) for n in ("conv_q", "conv_k", "conv_v")),
+        (p["conv_q"], p["conv_k"], p["conv_v"]), seq_lens)
 
     out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], slots, fresh, seq_lens)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
@@ -159,4 +172,5 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_o
     return out, new_cache
 
 
-__all__ = ["gdn_layer", "delta_rule", "chunked_delta_rule", "recurrent_step", "causal_conv", "linear"]
+__all__ = ["gdn_layer", "delta_rule", "chunked_delta_rule", "recurrent_step", "causal_conv", "causal_convs",
+           "conv_state", "linear"]

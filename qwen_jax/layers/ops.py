@@ -10,6 +10,8 @@ Each op has one contract, shared by its reference and its kernel:
   dense(x, w, contract=1) -> float32, x's last `contract` dims against w's first; w a tuple of weights -> a tuple
       (one x through several projections: one launch for the kernel)      (qwen_jax.layers.mlp.dense)
   norm(x, weight, eps, plus_one) -> x's dtype, the last axis RMS-normalised    (qwen_jax.layers.norms.rms_norm)
+  conv(xs, states, weights, seq_lens) -> ((out, new state), ...), a GDN layer's causal convs of q, k and v
+                                                              (qwen_jax.layers.gated_deltanet.causal_convs)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 
 from qwen_jax.config import KERNELS
 from qwen_jax.layers.attention import paged_attention
-from qwen_jax.layers.gated_deltanet import delta_rule, slot_states
+from qwen_jax.layers.gated_deltanet import causal_convs, delta_rule, slot_states
 from qwen_jax.layers.mlp import dense, dense_impl, sparse_moe
 from qwen_jax.layers.norms import rms_norm
 
@@ -32,6 +34,7 @@ class Ops:
     moe: Callable
     dense: Callable
     norm: Callable
+    conv: Callable
 
 
 def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
@@ -47,14 +50,28 @@ def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_len
     return out, ssm.at[slots].set(state)
 
 
+def causal_convs_kernels(xs, states, weights, seq_lens):
+    """causal_convs' contract on the GPU kernel (pallas_kernels/causal_conv.py) for a prefill where jax-triton runs;
+    the reference for one-token decode rows (XLA's fusion of it takes a few microseconds a layer) and elsewhere."""
+    from pallas_kernels.moe_gemm import triton_available  # lazy: pallas_kernels import the layers
+
+    if xs[0].shape[1] == 1 or not triton_available():
+        return causal_convs(xs, states, weights, seq_lens)
+    from pallas_kernels.causal_conv import causal_convs as kernel  # imports triton: GPU machines and tests only
+
+    return kernel(xs, states, weights, seq_lens)
+
+
 def ops_for(kernels: str) -> Ops:
     """The one switch: "reference" (jnp) or "gpu" (the Pallas kernels where one exists)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     if kernels == "reference":
-        return Ops(attention=paged_attention, delta_rule=delta_rule, moe=sparse_moe, dense=dense, norm=rms_norm)
+        return Ops(attention=paged_attention, delta_rule=delta_rule, moe=sparse_moe, dense=dense, norm=rms_norm,
+                   conv=causal_convs)
     from pallas_kernels.paged_attention import paged_attention as attention_kernel
     from pallas_kernels.rms_norm import norm as norm_kernel
 
     return Ops(attention=attention_kernel, delta_rule=delta_rule_kernels,
-               moe=functools.partial(sparse_moe, kernels="gpu"), dense=dense_impl("gpu"), norm=norm_kernel)
+               moe=functools.partial(sparse_moe, kernels="gpu"), dense=dense_impl("gpu"), norm=norm_kernel,
+               conv=causal_convs_kernels)

@@ -195,7 +195,7 @@ def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig,
         h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()), ops.attention,
                                ops.dense)
     else:
-        h, c = gdn_layer(h, p["mixer"], c, batch, cfg, ops.delta_rule, ops.dense)
+        h, c = gdn_layer(h, p["mixer"], c, batch, cfg, ops.delta_rule, ops.dense, ops.conv)
     x = x + h
     h = ops.norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     flat = h.reshape(-1, h.shape[-1])

@@ -33,11 +33,11 @@ POISON_INT = -7777  # what an int output holds where the kernel wrote nothing
 
 
 def interpreted_call(*args, kernel, out_shape, grid, num_warps, num_stages, name, zeroed_outputs=(),
-                     input_output_aliases=None, **metaparams):
+                     input_output_aliases=None, enable_fp_fusion=True, **metaparams):
     """jax_triton.triton_call's contract on the CPU: array arguments, then the outputs, as pointers; an output
     aliased to an input is that input's buffer, the others are fresh, zeroed if asked, else poisoned (NaN, or
     POISON_INT), so a row the kernel should have written and did not shows."""
-    del num_warps, num_stages, name
+    del num_warps, num_stages, name, enable_fp_fusion  # compile options: the interpreter has none
     inputs = [torch.from_numpy(np.array(a)) for a in args]
     aliased = {out: inputs[i] for i, out in (input_output_aliases or {}).items()}
     shapes = out_shape if isinstance(out_shape, (tuple, list)) else (out_shape,)
