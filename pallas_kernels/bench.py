@@ -649,6 +649,53 @@ def bench_router(token_counts: tuple, interpret: bool, failures: list) -> str:
     return "\n".join(lines)
 
 
+CONV_FULL = ((1, 4096), (8, 1024), (64, 1024))  # (rows, tokens a row) of a prefill
+CONV_CHANNELS = ((16, 128), (16, 128), (32, 128))  # 35B-A3B's q, k, v: (heads, head dim)
+EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles (engine/runner.py): every bf16 rounding kept
+
+
+def conv_inputs(seed: int, shapes: list, scale: float) -> tuple:
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return tuple((jax.random.normal(key, shape) * scale).astype(jnp.bfloat16) for key, shape in zip(keys, shapes))
+
+
+def bench_causal_conv(shapes: tuple, failures: list) -> str:
+    """The GDN layer's three causal convs of a prefill: XLA's fusions of the reference (compiled as the engine does)
+    against the one-launch kernel, GPU time from the profiler; the kernel must equal the reference bitwise. Native
+    Triton (jax-triton): nothing to time without a GPU."""
+    from pallas_kernels.moe_gemm import triton_available
+
+    lines = ["| rows x tokens | MB read + written | XLA us | kernel us | TB/s | of 4.3 TB/s | vs XLA | bitwise "
+             "| note |", "|---|---|---|---|---|---|---|---|---|"]
+    if not triton_available():
+        return "\n".join(lines + ["| - | - | - | - | - | - | - | - | skipped: needs a GPU with jax-triton |"])
+    from pallas_kernels import causal_conv
+
+    xla = jax.jit(causal_conv.reference_convs, compiler_options=EXACT)
+    kernel = jax.jit(causal_conv.causal_convs)
+    for rows, seq in shapes:
+        xs = conv_inputs(3 * rows * seq, [(rows, seq) + c for c in CONV_CHANNELS], 1.0)
+        states = conv_inputs(3 * rows * seq + 1, [(rows, 3) + c for c in CONV_CHANNELS], 1.0)
+        weights = conv_inputs(3 * rows * seq + 2, [(4,) + c for c in CONV_CHANNELS], 0.5)
+        lens = jnp.full((rows,), seq, jnp.int32).at[-1].set(max(1, seq // 3))  # one ragged row
+        args, label, note = (xs, states, weights, lens), f"{rows} x {seq}", ""
+        try:
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(xla(*args)),
+                                                                   jax.tree.leaves(kernel(*args))))
+            note = "" if same else "differs from the reference"
+            xla_us, us = gpu_us(functools.partial(xla, *args)), gpu_us(functools.partial(kernel, *args))
+        except Exception as e:  # a lowering or compile error: report it and keep going
+            same, xla_us, us = False, float("nan"), float("nan")
+            note = failure_note(e, f"causal_conv {label}")
+        if note:
+            failures.append(f"causal_conv {label}: {note}")
+        mb = 2 * sum(x.size for x in xs) * 2 / 1e6  # bf16 in and out; the K taps re-read their inputs from L1
+        lines.append(f"| {label} | {mb:.0f} | {xla_us:.1f} | {us:.1f} | {mb / us:.2f} | {mb / us / PEAK_TBS:.0%} "
+                     f"| {xla_us / us:.2f}x | {same} | {note} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
@@ -657,7 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--defaults-only", action="store_true", help="gdn_prefill: the default configuration only "
                         "(and each launch alone)")
     parser.add_argument("--moe-tokens", help="moe: comma-separated token counts instead of the full list")
-    parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention", "skinny_matmul", "router"),
+    parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention", "skinny_matmul", "router",
+                                           "causal_conv"),
                         help="benchmark one kernel")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -715,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
               "(profiler)", flush=True)
         text = bench_router(ROUTER_TOKENS_SMALL if args.small else ROUTER_TOKENS_FULL, interpret, failures)
         print(f"\n### router on {jax.devices()[0].device_kind}\n\n{text}\n")
+    if args.only in (None, "causal_conv"):
+        print("\ncausal_conv: the GDN layer's q, k, v convs (kernel 4), bf16; GPU time per call (profiler)", flush=True)
+        text = bench_causal_conv(() if args.small else CONV_FULL, failures)
+        print(f"\n### causal_conv on {jax.devices()[0].device_kind}\n\n{text}\n")
     return _report(failures)
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from qwen_jax.layers.gated_deltanet import causal_conv as reference  # noqa: F401  (the jnp reference of this kernel)
+from qwen_jax.layers.gated_deltanet import causal_convs as reference_convs  # noqa: F401  (of causal_convs)
 from qwen_jax.layers.gated_deltanet import conv_state
 
 
