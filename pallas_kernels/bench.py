@@ -671,8 +671,9 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
         return "\n".join(lines + ["| - | - | - | - | - | - | - | - | skipped: needs a GPU with jax-triton |"])
     from pallas_kernels import causal_conv
 
-    xla = jax.jit(causal_conv.reference_convs, compiler_options=EXACT)
-    kernel = jax.jit(causal_conv.causal_convs)
+    xla = jax.jit(lambda xs, states, weights, lens: tuple(causal_conv.reference(x, state, w, lens) for x, state, w
+                                                          in zip(xs, states, weights)), compiler_options=EXACT)
+    kernel = jax.jit(causal_conv.prefill_convs)
     for rows, seq in shapes:
         xs = conv_inputs(3 * rows * seq, [(rows, seq) + c for c in CONV_CHANNELS], 1.0)
         states = conv_inputs(3 * rows * seq + 1, [(rows, 3) + c for c in CONV_CHANNELS], 1.0)

@@ -1,21 +1,23 @@
-"""The Gated DeltaNet's depthwise causal conv + SiLU at prefill, q, k and v in one native Triton launch (through
-jax-triton), with its jnp reference beside it (qwen_jax.layers.gated_deltanet.causal_conv, whose roundings it
-repeats).
+"""The Gated DeltaNet's depthwise causal conv + SiLU of q, k and v as native Triton launches (through jax-triton),
+with its jnp references beside them (qwen_jax.layers.gated_deltanet.causal_conv, and causal_convs, the layers'
+`conv` op on the state slots, whose roundings they repeat). Two kernels:
 
-Why: at a 4,096-token prefill XLA ran the three convs as two loop fusions of 71 + 67 us a layer on an H200 (~1 TB/s;
-BENCH_H200.md, seventeenth session), about 4 ms of the step over 30 layers: the largest part of it not yet a kernel.
-One program takes BLOCK_T tokens x BLOCK_C channels of one row: tap i reads the inputs i - (K - 1) tokens back (a
-shifted, contiguous tile: the K taps overlap in L1), from x or, before the row's first token, from the conv state
-(the K - 1 inputs before x); the taps are added in float32 in the reference's order without fused multiply-adds,
-rounded, then SiLU in float32 rounded once. The new state (the K - 1 inputs ending at each row's last real token) is
-a gather of three rows, left to XLA. The channel blocks of q, k and v share one grid.
+Prefill (`prefill_convs`): one program takes BLOCK_T tokens x BLOCK_C channels of one row: tap i reads the inputs
+  i - (K - 1) tokens back (a shifted, contiguous tile: the K taps overlap in L1), from x or, before the row's first
+  token, from the conv state (the K - 1 inputs before x); the taps are added in float32 in the reference's order
+  without fused multiply-adds, rounded, then SiLU in float32 rounded once. The new state (the K - 1 inputs ending
+  at each row's last real token) is a gather of three rows, left to XLA, as are the slots' gather and scatter.
+  At a 4,096-token prefill XLA had run the three convs as two loop fusions of 71 + 67 us a layer (~1 TB/s).
+Decode (`decode_convs`): one program per (row, channel block) convolves the row's one token with its slot's state
+  rows and writes the shifted rows back in place: one launch where XLA ran 8-10 kernels (the slots' gathers, the
+  convs, the scatters), 2-4 against 11-28 us of GPU time.
 
-On an H200 (BENCH_H200.md, eighteenth session) it is bitwise the reference under the engine's exact-precision
-compile and 1.7-1.8x faster than XLA's fusions: 68 against 123 us for one 4,096-token prompt, 980 against 1,705 us
-for 64 x 1,024 (2.0-2.2 TB/s of its reads and writes); a 4,096-token prefill step's GPU time falls by 1.1-1.4 ms
-(2%). A Pallas version of the same loop (gathered tiles) ran at 0.6-1.4 TB/s, no faster than XLA. On the CPU the
-tests run this kernel under Triton's interpreter; the layers' `conv` op (qwen_jax/layers/ops.py) takes the reference
-for one-token decode rows and wherever jax-triton cannot run.
+On an H200 (BENCH_H200.md, eighteenth session) both are bitwise the reference under the engine's exact-precision
+compile. Prefill: 69 against 124 us for one 4,096-token prompt, 981 against 1,704 us for 64 x 1,024 (2.0-2.2 TB/s);
+a 4,096-token prefill step's GPU time 62.5 -> 61.2-61.5 ms. Decode: a step's GPU time 3.50 -> 3.30 ms at B=1, 7.27
+-> 6.95 at B=8, 21.43 -> 20.74 at B=64, and 150 fewer kernels a step. A Pallas version of the prefill loop
+(gathered tiles) ran at 0.6-1.4 TB/s, no faster than XLA. On the CPU the tests run these kernels under Triton's
+interpreter; the layers' `conv` op (qwen_jax/layers/ops.py) takes the reference wherever jax-triton cannot run.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import triton
 import triton.language as tl
 
 from qwen_jax.layers.gated_deltanet import causal_conv as reference  # noqa: F401  (the jnp reference of this kernel)
-from qwen_jax.layers.gated_deltanet import causal_convs as reference_convs  # noqa: F401  (of causal_convs)
+from qwen_jax.layers.gated_deltanet import causal_convs as reference_convs  # noqa: F401  (the conv op's)
 from qwen_jax.layers.gated_deltanet import conv_state
 
 
@@ -70,15 +73,15 @@ def _conv_kernel(x0_ptr, x1_ptr, x2_ptr, s0_ptr, s1_ptr, s2_ptr, w0_ptr, w1_ptr,
         _conv_tile(x2_ptr, s2_ptr, w2_ptr, o2_ptr, row, pid_t, pid_c - B0 - B1, SEQ, C2, KERNEL, BLOCK_T, BLOCK_C)
 
 
-def causal_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
-                 seq_lens: jax.Array, *, block_t: int = 64, block_c: int = 64, num_warps: int = 4,
-                 triton_call=None) -> tuple[tuple[jax.Array, jax.Array], ...]:
+def prefill_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
+                  seq_lens: jax.Array, *, block_t: int = 64, block_c: int = 64, num_warps: int = 4,
+                  triton_call=None) -> tuple[tuple[jax.Array, jax.Array], ...]:
     """`reference` (x [B, S, C...], state [B, K-1, C...], weight [K, C...]) of each of up to three (x, state,
     weight), in one launch; returns ((out, new state), ...) as reference does. Tiles: 64 x 64 was the best or within
     3% of it among nine on an H200 at 1 x 4,096, 8 x 1,024 and 64 x 1,024 tokens. triton_call: the launcher,
     jax_triton.triton_call unless given (the tests give one that runs Triton's interpreter on the CPU)."""
     if not (len(xs) == len(states) == len(weights)) or not 1 <= len(xs) <= 3:
-        raise ValueError(f"causal_convs: give one to three inputs with a state and a weight each, got {len(xs)} "
+        raise ValueError(f"causal_conv: give one to three inputs with a state and a weight each, got {len(xs)} "
                          f"inputs, {len(states)} states, {len(weights)} weights")
     kernel = weights[0].shape[0]
     batch, seq = xs[0].shape[:2]
@@ -86,7 +89,7 @@ def causal_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weigh
     for x, state, w in zip(xs, states, weights, strict=True):
         if x.shape[:2] != (batch, seq) or state.shape != (batch, kernel - 1, *x.shape[2:]) or \
                 w.shape != (kernel, *x.shape[2:]):
-            raise ValueError(f"causal_convs: x {x.shape}, state {state.shape}, weight {w.shape} do not match")
+            raise ValueError(f"causal_conv: x {x.shape}, state {state.shape}, weight {w.shape} do not match")
         channels = math.prod(x.shape[2:])
         flat_x.append(x.reshape(batch, seq, channels))
         flat_state.append(state.astype(x.dtype).reshape(batch, kernel - 1, channels))
@@ -106,3 +109,111 @@ def causal_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weigh
     return tuple((out.reshape(x.shape), conv_state(x, state, seq_lens, kernel))
                  for out, x, state in zip(outs, xs, states))
 
+
+
+@triton.jit
+def _step_tile(x_ptr, cache_ptr, w_ptr, out_ptr, cache_out_ptr, slot, fresh, live, row, pid_c, CHANNELS: tl.constexpr,
+               KERNEL: tl.constexpr, BLOCK_C: tl.constexpr):
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    inside = c < CHANNELS
+    state = cache_ptr + slot.to(tl.int64) * ((KERNEL - 1) * CHANNELS) + c
+    x = tl.load(x_ptr + row * CHANNELS + c, mask=inside, other=0.0)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for i in tl.static_range(KERNEL):  # window: the state's K - 1 rows (zeros for a fresh row), then x
+        if i < KERNEL - 1:
+            tap = tl.where(fresh, 0.0, tl.load(state + i * CHANNELS, mask=inside, other=0.0).to(tl.float32))
+        else:
+            tap = x.to(tl.float32)
+        acc = acc + tap.to(x.dtype).to(tl.float32) * tl.load(w_ptr + i * CHANNELS + c, mask=inside,
+                                                             other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    conv = acc.to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * CHANNELS + c, (conv * (1.0 / (1.0 + tl.exp(-conv)))).to(dtype), mask=inside)
+    # the new state: the window shifted by the token (a padding row, seq_len 0, keeps it); every load above comes
+    # first, so shifting row i + 1 into row i in place reads nothing already written
+    new = cache_out_ptr + slot.to(tl.int64) * ((KERNEL - 1) * CHANNELS) + c
+    for i in tl.static_range(KERNEL - 1):
+        kept = tl.where(fresh, 0.0, tl.load(state + i * CHANNELS, mask=inside, other=0.0).to(tl.float32))
+        if i < KERNEL - 2:
+            shifted = tl.where(fresh, 0.0, tl.load(state + (i + 1) * CHANNELS, mask=inside, other=0.0).to(tl.float32))
+        else:
+            shifted = x.to(tl.float32)
+        tl.store(new + i * CHANNELS, tl.where(live, shifted, kept).to(cache_out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _step_kernel(x0_ptr, x1_ptr, x2_ptr, c0_ptr, c1_ptr, c2_ptr, w0_ptr, w1_ptr, w2_ptr, slots_ptr, fresh_ptr,
+                 lens_ptr, o0_ptr, o1_ptr, o2_ptr, n0_ptr, n1_ptr, n2_ptr, C0: tl.constexpr, C1: tl.constexpr,
+                 C2: tl.constexpr, KERNEL: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (row, channel block over q, k, v) of a decode step: the conv of the row's one token and its state
+    rows' update in place (n_i: the cache c_i's buffer)."""
+    row, pid_c = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    fresh = tl.load(fresh_ptr + row) != 0
+    live = tl.load(lens_ptr + row) > 0
+    B0: tl.constexpr = (C0 + BLOCK_C - 1) // BLOCK_C
+    B1: tl.constexpr = (C1 + BLOCK_C - 1) // BLOCK_C
+    if pid_c < B0:
+        _step_tile(x0_ptr, c0_ptr, w0_ptr, o0_ptr, n0_ptr, slot, fresh, live, row, pid_c, C0, KERNEL, BLOCK_C)
+    elif pid_c < B0 + B1:
+        _step_tile(x1_ptr, c1_ptr, w1_ptr, o1_ptr, n1_ptr, slot, fresh, live, row, pid_c - B0, C1, KERNEL, BLOCK_C)
+    else:
+        _step_tile(x2_ptr, c2_ptr, w2_ptr, o2_ptr, n2_ptr, slot, fresh, live, row, pid_c - B0 - B1, C2, KERNEL,
+                   BLOCK_C)
+
+
+def decode_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
+                 slots: jax.Array, fresh: jax.Array, seq_lens: jax.Array, *, block_c: int = 256, num_warps: int = 4,
+                 triton_call=None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """`reference_convs` for a decode step (one token a row) in one launch, the caches' rows updated in place
+    (donate them in the caller's jit to avoid a copy). Rows must name distinct slots, except padding rows (seq_len
+    0), which may share a sink slot whose contents are garbage."""
+    if not (len(xs) == len(caches) == len(weights)) or not 1 <= len(xs) <= 3:
+        raise ValueError(f"causal_conv: give one to three inputs with a cache and a weight each, got {len(xs)} "
+                         f"inputs, {len(caches)} caches, {len(weights)} weights")
+    kernel = weights[0].shape[0]
+    batch = xs[0].shape[0]
+    flat_x, flat_cache, flat_w = [], [], []
+    for x, cache, w in zip(xs, caches, weights, strict=True):
+        if x.shape[:2] != (batch, 1) or cache.shape[1:] != (kernel - 1, *x.shape[2:]) or \
+                w.shape != (kernel, *x.shape[2:]) or cache.dtype != x.dtype:
+            raise ValueError(f"causal_conv: x {x.shape} {x.dtype}, cache {cache.shape} {cache.dtype}, weight "
+                             f"{w.shape} do not match a decode step")
+        channels = math.prod(x.shape[2:])
+        flat_x.append(x.reshape(batch, channels))
+        flat_cache.append(cache.reshape(cache.shape[0], kernel - 1, channels))
+        flat_w.append(w.reshape(kernel, channels))
+    count = len(xs)
+    channels = [x.shape[1] for x in flat_x] + [0] * (3 - count)
+    pad = lambda arrays: arrays + [arrays[0]] * (3 - len(arrays))  # noqa: E731  (never read)
+    if triton_call is None:
+        import jax_triton  # here, not at the top: it refuses to import without a GPU
+
+        triton_call = jax_triton.triton_call
+    # a missing input's cache: a scratch row, never read or written (no channel blocks)
+    caches_in = flat_cache + [jnp.zeros((1, kernel - 1, 1), xs[0].dtype)] * (3 - count)
+    results = triton_call(
+        *pad(flat_x), *caches_in, *pad(flat_w), slots.astype(jnp.int32), fresh.astype(jnp.int32),
+        seq_lens.astype(jnp.int32), kernel=_step_kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pad(flat_x)) +
+        tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches_in),
+        input_output_aliases={3 + i: 3 + i for i in range(3)}, grid=(batch, sum(-(-c // block_c) for c in channels)),
+        num_warps=num_warps, num_stages=1, enable_fp_fusion=False, name="gdn_causal_conv_step", C0=channels[0],
+        C1=channels[1], C2=channels[2], KERNEL=kernel, BLOCK_C=block_c)
+    outs, new = results[:3], results[3:]
+    return (tuple(o.reshape(x.shape) for o, x in zip(outs, xs)),
+            tuple(n.reshape(c.shape) for n, c in zip(new, caches)))
+
+
+def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
+                 slots: jax.Array, fresh: jax.Array, seq_lens: jax.Array, *, triton_call=None
+                 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The layers' `conv` op on these kernels (same contract as `reference_convs`): a decode step in one launch that
+    updates the state rows in place; a prefill in one launch, its states gathered from and written to their slots
+    around it."""
+    if xs[0].shape[1] == 1:
+        return decode_convs(xs, caches, weights, slots, fresh, seq_lens, triton_call=triton_call)
+    states = tuple(jnp.where(fresh.reshape((-1,) + (1,) * (c.ndim - 1)), 0, c[slots]) for c in caches)
+    results = prefill_convs(xs, states, weights, seq_lens, triton_call=triton_call)
+    return (tuple(out for out, _ in results),
+            tuple(c.at[slots].set(state.astype(c.dtype)) for c, (_, state) in zip(caches, results)))

@@ -45,11 +45,20 @@ def conv_state(x: jax.Array, state: jax.Array, seq_lens: jax.Array, kernel: int)
     return jnp.where(at >= kernel - 1, from_x, from_state)
 
 
-def causal_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
-                 seq_lens: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
-    """`causal_conv` of each (x, state, weight): the layer's `conv` op (q, k and v; pallas_kernels/causal_conv.py is
-    its kernel, one launch for all three)."""
-    return tuple(causal_conv(x, state, w, seq_lens) for x, state, w in zip(xs, states, weights, strict=True))
+def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
+                 slots: jax.Array, fresh: jax.Array, seq_lens: jax.Array
+                 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The layer's `conv` op: `causal_conv` of each x with its state slots. xs: [B, S, C...]; caches: [slots, K-1,
+    C...] (rows `slots` read, zeros for `fresh` rows, and written back); weights: [K, C...]. Returns (outs, caches
+    with rows `slots` advanced by their seq_lens). pallas_kernels/causal_conv.py is its kernel: q, k and v in one
+    launch, a decode step's state rows updated in place."""
+    outs, new_caches = [], []
+    for x, cache, w in zip(xs, caches, weights, strict=True):
+        state = jnp.where(fresh.reshape((-1,) + (1,) * (cache.ndim - 1)), 0, cache[slots])
+        out, state = causal_conv(x, state, w, seq_lens)
+        outs.append(out)
+        new_caches.append(cache.at[slots].set(state.astype(cache.dtype)))
+    return tuple(outs), tuple(new_caches)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -154,22 +163,15 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_o
     (`causal_convs`), or kernels with their contracts (layers/ops.py picks)."""
     slots, seq_lens = batch["state_slots"], batch["seq_lens"]
     fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
-    keep = lambda t: jnp.where(fresh.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.zeros_like(t), t)  # noqa: E731
     q, k, v, z, b, a = linears(x, tuple(p[n] for n in "qkvzba"), dense_op)  # z: [B, S, Hv, Dv]; b, a: [B, S, Hv]
-    (q, new_conv_q), (k, new_conv_k), (v, new_conv_v) = conv_op(
-        (q, k, v), tuple(keep(cache[n][slots]) for n in ("conv_q", "conv_k", "conv_v")),
-        (p["conv_q"], p["conv_k"], p["conv_v"]), seq_lens)
+    (q, k, v), (conv_q, conv_k, conv_v) = conv_op(
+        (q, k, v), (cache["conv_q"], cache["conv_k"], cache["conv_v"]), (p["conv_q"], p["conv_k"], p["conv_v"]),
+        slots, fresh, seq_lens)
 
     out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], slots, fresh, seq_lens)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
     out = dense_op(out, p["out"], 2).astype(x.dtype)
-    new_cache = {
-        "conv_q": cache["conv_q"].at[slots].set(new_conv_q),
-        "conv_k": cache["conv_k"].at[slots].set(new_conv_k),
-        "conv_v": cache["conv_v"].at[slots].set(new_conv_v),
-        "ssm": ssm,
-    }
-    return out, new_cache
+    return out, {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "ssm": ssm}
 
 
 __all__ = ["gdn_layer", "delta_rule", "chunked_delta_rule", "recurrent_step", "causal_conv", "causal_convs",

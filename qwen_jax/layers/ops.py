@@ -10,8 +10,8 @@ Each op has one contract, shared by its reference and its kernel:
   dense(x, w, contract=1) -> float32, x's last `contract` dims against w's first; w a tuple of weights -> a tuple
       (one x through several projections: one launch for the kernel)      (qwen_jax.layers.mlp.dense)
   norm(x, weight, eps, plus_one) -> x's dtype, the last axis RMS-normalised    (qwen_jax.layers.norms.rms_norm)
-  conv(xs, states, weights, seq_lens) -> ((out, new state), ...), a GDN layer's causal convs of q, k and v
-                                                              (qwen_jax.layers.gated_deltanet.causal_convs)
+  conv(xs, caches, weights, slots, fresh, seq_lens) -> (outs, caches), a GDN layer's causal convs of q, k and v
+      on their state slots                                    (qwen_jax.layers.gated_deltanet.causal_convs)
 """
 
 from __future__ import annotations
@@ -50,16 +50,16 @@ def delta_rule_kernels(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_len
     return out, ssm.at[slots].set(state)
 
 
-def causal_convs_kernels(xs, states, weights, seq_lens):
-    """causal_convs' contract on the GPU kernel (pallas_kernels/causal_conv.py) for a prefill where jax-triton runs;
-    the reference for one-token decode rows (XLA's fusion of it takes a few microseconds a layer) and elsewhere."""
+def causal_convs_kernels(xs, caches, weights, slots, fresh, seq_lens):
+    """causal_convs' contract on the GPU kernels (pallas_kernels/causal_conv.py: a decode step's state rows updated
+    in place, a prefill's convs in one launch) where jax-triton runs; the reference elsewhere."""
     from pallas_kernels.moe_gemm import triton_available  # lazy: pallas_kernels import the layers
 
-    if xs[0].shape[1] == 1 or not triton_available():
-        return causal_convs(xs, states, weights, seq_lens)
+    if not triton_available():
+        return causal_convs(xs, caches, weights, slots, fresh, seq_lens)
     from pallas_kernels.causal_conv import causal_convs as kernel  # imports triton: GPU machines and tests only
 
-    return kernel(xs, states, weights, seq_lens)
+    return kernel(xs, caches, weights, slots, fresh, seq_lens)
 
 
 def ops_for(kernels: str) -> Ops:
