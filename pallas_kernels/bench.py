@@ -651,6 +651,7 @@ def bench_router(token_counts: tuple, interpret: bool, failures: list) -> str:
 
 CONV_FULL = ((1, 4096), (8, 1024), (64, 1024))  # (rows, tokens a row) of a prefill
 CONV_CHANNELS = ((16, 128), (16, 128), (32, 128))  # 35B-A3B's q, k, v: (heads, head dim)
+CONV_DECODE = (1, 8, 64)  # rows of a decode step
 EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles (engine/runner.py): every bf16 rounding kept
 
 
@@ -660,9 +661,9 @@ def conv_inputs(seed: int, shapes: list, scale: float) -> tuple:
 
 
 def bench_causal_conv(shapes: tuple, failures: list) -> str:
-    """The GDN layer's three causal convs of a prefill: XLA's fusions of the reference (compiled as the engine does)
-    against the one-launch kernel, GPU time from the profiler; the kernel must equal the reference bitwise. Native
-    Triton (jax-triton): nothing to time without a GPU."""
+    """The GDN layer's three causal convs of a prefill, then of decode steps on their state slots: XLA's fusions of
+    the reference (compiled as the engine does) against the one-launch kernels, GPU time from the profiler; the
+    kernels must equal the reference bitwise. Native Triton (jax-triton): nothing to time without a GPU."""
     from pallas_kernels.moe_gemm import triton_available
 
     lines = ["| rows x tokens | MB read + written | XLA us | kernel us | TB/s | of 4.3 TB/s | vs XLA | bitwise "
@@ -694,7 +695,45 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
         lines.append(f"| {label} | {mb:.0f} | {xla_us:.1f} | {us:.1f} | {mb / us:.2f} | {mb / us / PEAK_TBS:.0%} "
                      f"| {xla_us / us:.2f}x | {same} | {note} |")
         print(lines[-1], flush=True)
+    # decode steps: the op on the state slots (caches donated, as the engine runs it), XLA's gathers, convs and
+    # scatters against the one in-place launch
+    xla = jax.jit(causal_conv.reference_convs, compiler_options=EXACT, donate_argnums=(1,))
+    kernel = jax.jit(causal_conv.decode_convs, donate_argnums=(1,))
+    for rows in CONV_DECODE if shapes else ():
+        xs = conv_inputs(rows, [(rows, 1) + c for c in CONV_CHANNELS], 1.0)
+        caches = conv_inputs(rows + 1, [(2 * rows + 1, 3) + c for c in CONV_CHANNELS], 1.0)
+        weights = conv_inputs(rows + 2, [(4,) + c for c in CONV_CHANNELS], 0.5)
+        slots, fresh = jnp.arange(1, rows + 1, dtype=jnp.int32)[::-1], jnp.arange(rows) % 4 == 1
+        lens = jnp.ones(rows, jnp.int32)
+        label, note = f"decode B={rows}", ""
+        try:
+            want = xla(xs, tuple(jnp.array(c) for c in caches), weights, slots, fresh, lens)
+            got = kernel(xs, tuple(jnp.array(c) for c in caches), weights, slots, fresh, lens)
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+            note = "" if same else "differs from the reference"
+            xla_us, us = (gpu_us(_carried(f, xs, caches, weights, slots, fresh, lens)) for f in (xla, kernel))
+        except Exception as e:  # a lowering or compile error: report it and keep going
+            same, xla_us, us = False, float("nan"), float("nan")
+            note = failure_note(e, f"causal_conv {label}")
+        if note:
+            failures.append(f"causal_conv {label}: {note}")
+        mb = 8 * sum(x.size for x in xs) * 2 / 1e6  # x in, out; K - 1 state rows read and written
+        lines.append(f"| {label} | {mb:.2f} | {xla_us:.1f} | {us:.1f} | {mb / us:.2f} | {mb / us / PEAK_TBS:.0%} "
+                     f"| {xla_us / us:.2f}x | {same} | {note} |")
+        print(lines[-1], flush=True)
     return "\n".join(lines)
+
+
+def _carried(step: Callable, xs, caches, *rest) -> Callable[[], object]:
+    """A call of step(xs, caches, *rest) -> (outs, caches) that feeds each call the caches the last one returned
+    (they are donated)."""
+    held = {"caches": tuple(jnp.array(c) for c in caches)}
+
+    def call():
+        outs, held["caches"] = step(xs, held["caches"], *rest)
+        return outs
+
+    return call
 
 
 def main(argv: list[str] | None = None) -> int:
