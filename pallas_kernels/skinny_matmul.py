@@ -1,11 +1,13 @@
-"""x @ w for one row (a decode step of one sequence) as a Pallas kernel, with the plain-jnp `reference` beside it:
-float32 accumulation, float32 out, as jnp.matmul(x, w, preferred_element_type=float32).
+"""x @ w for one row (a decode step of one sequence), or a few rows through a layer's large projections, as a Pallas
+kernel, with the plain-jnp `reference` beside it: float32 accumulation, float32 out, as jnp.matmul(x, w,
+preferred_element_type=float32).
 
 Why: XLA rewrites a one-row dot into a reduction fusion, which streams an 8-16 MB projection weight at 0.7-1.5
-TB/s on an H200; from two rows on it emits a GEMM, as fast as this kernel or faster. In a 35B-A3B decode step of
+TB/s on an H200; from two rows on it emits a GEMM, as fast as this kernel except through a layer's 38-51 MB of
+projections (`dense` below). In a 35B-A3B decode step of
 one sequence those fusions took ~5 of the 8.4 ms of GPU time (BENCH_H200.md). The kernel streams the weight: each
 program takes a block of columns (and, where that leaves too few programs to keep every SM streaming, one slice of
-the contraction), runs the rows as one [16, K] tile through the tensor cores, and stores float32 partial sums
+the contraction), runs the rows as one [16-64, K] tile through the tensor cores, and stores float32 partial sums
 [slices, M, N] that XLA adds up (a sum it fuses into whatever follows). Several weights of one x (a layer's q/k/v/z
 projections) run side by side as one launch: one 50 MB stream at 3.9 TB/s instead of four 8-16 MB ones at 2-3 TB/s
 and four partial sums (BENCH_H200.md, ninth session). Same Triton lowering as
@@ -26,7 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.moe_gemm import _tile, split_contraction
 from qwen_jax.layers.mlp import dense as dense_reference
 
-MAX_ROWS = 16  # one tensor-core tile of rows
+MAX_ROWS = 64  # rows run as one tile of 16, 32 or 64 (the next power of two)
 
 
 def reference(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -109,19 +111,29 @@ def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, 
 MIN_K = 512
 
 
+# From two rows on XLA emits a GEMM; at 2-64 rows it still lost to one launch over a layer's projections of 38-51 MB
+# (the GDN's q/k/v/z/b/a: 25-37 against 14-25 us; attention's q/k/v/gate from 16 rows: 15-22 against 11-15 us) and
+# won on single weights of 2-17 MB (H200, BENCH_H200.md, eighteenth session). Rows past 16 take 64-column tiles.
+MIN_MANY_ROWS_BYTES = 32 * 2**20
+
+
 def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1):
     """The layers' `dense` op (qwen_jax.layers.mlp.dense: x's last `contract` dims against w's first; a tuple of
-    weights gives a tuple) on this kernel where it pays: one row, K >= MIN_K, K a multiple of 16. The weights whose
-    widths are multiples of 16 share one launch (matmul_many); the rest (the shared expert's 1-column gate) and
-    every other shape take the reference (XLA)."""
+    weights gives a tuple) on this kernel where it pays: K >= MIN_K, K a multiple of 16, and one row, or up to
+    MAX_ROWS rows through weights of MIN_MANY_ROWS_BYTES or more. The weights whose widths are multiples of 16
+    share one launch (matmul_many); the rest (the shared expert's 1-column gate) and every other shape take the
+    reference (XLA)."""
     ws = w if isinstance(w, tuple) else (w,)
     lead = x.shape[:x.ndim - contract]
     rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract:])
     widths = [math.prod(wi.shape[contract:]) for wi in ws]
     fused = [i for i, n in enumerate(widths) if n % 16 == 0]
-    if rows != 1 or k < MIN_K or k % 16 or not fused:
+    weight_bytes = sum(k * widths[i] * ws[i].dtype.itemsize for i in fused)
+    if rows > MAX_ROWS or k < MIN_K or k % 16 or not fused or rows > 1 and weight_bytes < MIN_MANY_ROWS_BYTES:
         return dense_reference(x, w, contract)
-    outs = dict(zip(fused, matmul_many(x.reshape(rows, k), tuple(ws[i].reshape(k, widths[i]) for i in fused))))
+    tiles = {} if rows <= 16 else dict(block_n=64)
+    outs = dict(zip(fused, matmul_many(x.reshape(rows, k), tuple(ws[i].reshape(k, widths[i]) for i in fused),
+                                       **tiles)))
     out = tuple(outs[i].reshape(*lead, *wi.shape[contract:]) if i in outs else dense_reference(x, wi, contract)
                 for i, wi in enumerate(ws))
     return out if isinstance(w, tuple) else out[0]

@@ -42,7 +42,7 @@ def test_split_contraction_reaches_the_program_target_in_whole_steps():
 
 
 def test_refuses_what_it_cannot_tile():
-    with pytest.raises(ValueError, match="1 to 16"):
+    with pytest.raises(ValueError, match=f"1 to {MAX_ROWS}"):
         matmul(jnp.ones((MAX_ROWS + 1, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16))
     with pytest.raises(ValueError, match="not a multiple of 16"):
         matmul(jnp.ones((1, 40), jnp.bfloat16), jnp.ones((40, 64), jnp.bfloat16))
@@ -53,7 +53,7 @@ def test_refuses_what_it_cannot_tile():
 @pytest.mark.parametrize("x_shape,w_shape,contract,kernel", [
     ((1, 1, 64), (64, 4, 16), 1, True),      # a decode step's q projection [B, S, H] x [H, heads, D]
     ((1, 1, 4, 16), (4, 16, 64), 2, True),   # its output projection [B, S, heads, D] x [heads, D, H]
-    ((2, 1, 64), (64, 4, 16), 1, False),     # two rows: XLA's GEMM is as fast (BENCH_H200.md)
+    ((2, 1, 64), (64, 4, 16), 1, False),     # two rows through small weights: XLA's GEMM is as fast (BENCH_H200.md)
     ((1, 64), (64, 1), 1, False),            # one output column (the shared expert's gate): not a tile
     ((1, 32), (32, 64), 1, False),           # K below MIN_K (here 64): XLA's reduction is as fast
 ])
@@ -65,6 +65,24 @@ def test_dense_runs_the_kernel_for_one_row_only(x_shape, w_shape, contract, kern
     got, want = dense(x, w, contract), dense_reference(x, w, contract)
     assert got.shape == want.shape and got.dtype == jnp.float32 and bool(calls) == kernel
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("rows,kernel", [(1, True), (2, True), (33, True), (64, True), (65, False)])
+def test_dense_runs_the_kernel_for_a_few_rows_through_large_weights(rows, kernel, monkeypatch):
+    """Up to MAX_ROWS rows take the kernel through weights of MIN_MANY_ROWS_BYTES or more (here lowered to the
+    test's 24 KB): a layer's large projections at a decode step of a few sequences; 33-64 rows run a 64-row tile."""
+    calls = []
+    monkeypatch.setattr(skinny, "MIN_K", 64)
+    monkeypatch.setattr(skinny, "MIN_MANY_ROWS_BYTES", 64 * 192 * 2)
+    monkeypatch.setattr(skinny, "matmul_many", lambda *a, **kw: calls.append(kw) or matmul_many(*a, **kw))
+    x, ws = normal(rows, (rows, 64)), (normal(5, (64, 128), 0.1), normal(6, (64, 64), 0.1))
+    got, want = dense(x, ws), dense_reference(x, ws)
+    assert all(a.shape == b.shape and rel_err(a, b) < 1e-5 for a, b in zip(got, want))
+    assert bool(calls) == kernel
+    small = (normal(7, (64, 64), 0.1),)  # under the threshold: one row only
+    calls.clear()
+    dense(x, small)
+    assert bool(calls) == (rows == 1)
 
 
 def test_dense_leaves_short_contractions_to_xla(monkeypatch):
