@@ -10,6 +10,7 @@ timings are printed either way); 2 when there is no GPU and --small was not give
 import argparse
 import functools
 import inspect
+import itertools
 import statistics
 import sys
 import time
@@ -579,6 +580,7 @@ SKINNY_FULL = ((2048, (2048,)), (2048, (4096,)), (4096, (2048,)), (2048, (512,))
                (2048, (12288,)), (2048, (2048, 2048, 4096, 4096)), (2048, (2048, 2048, 4096, 4096, 32, 32)),
                (2048, (4096, 512, 512, 4096)), (2048, (256, 512, 512)))
 SKINNY_SMALL = ((64, (64,)), (128, (96,)), (128, (32, 64, 32)))
+SKINNY_ROWS, SKINNY_ROWS_SMALL = (1, 8, 64), (1, 33)  # a decode step's rows
 SKINNY_MAX_REL_ERR = 1e-2  # bf16 out; float32 sums in another order, nothing else
 
 
@@ -586,19 +588,23 @@ def _rounded(outs) -> tuple:
     return tuple(o.astype(jnp.bfloat16) for o in outs)
 
 
-def bench_skinny_matmul(shapes: tuple, interpret: bool, failures: list) -> str:
-    """x [1, K] @ each w [K, N] rounded to bf16, as the layers' dense op does: XLA's dots (reduction fusions at one
-    row) against the kernel launched once per weight and once for all of them (matmul_many), GPU time from the
-    profiler (gpu_us; NaN on the CPU)."""
-    lines = ["| K x N | weight MB | XLA us | kernel per weight us | one launch us | TB/s | of 4.3 TB/s | vs XLA "
-             "| rel err | note |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for k, widths in shapes:
+def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failures: list) -> str:
+    """x [rows, K] @ each w [K, N] rounded to bf16, as the layers' dense op does: XLA's dots (reduction fusions at one
+    row, GEMMs from two) against the kernel launched once per weight and once for all of them (matmul_many, with
+    `dense`'s tiles), GPU time from the profiler (gpu_us; NaN on the CPU). `dense` takes the kernel at one row, and
+    at up to 64 rows through 32 MB of weights or more."""
+    lines = ["| rows | K x N | weight MB | XLA us | kernel per weight us | one launch us | TB/s | of 4.3 TB/s | vs XLA "
+             "| rel err | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (k, widths), rows in itertools.product(shapes, row_counts):
         keys = jax.random.split(jax.random.key(k * 7 + sum(widths)), 1 + len(widths))
-        x = jax.random.normal(keys[0], (1, k)).astype(jnp.bfloat16)
+        x = jax.random.normal(keys[0], (rows, k)).astype(jnp.bfloat16)
         ws = tuple((jax.random.normal(key, (k, n)) * 0.02).astype(jnp.bfloat16) for key, n in zip(keys[1:], widths))
+        tiles = {} if rows <= 16 else dict(block_n=64)  # as skinny_matmul.dense
         xla = jax.jit(lambda x, *ws: _rounded(skinny_matmul.reference(x, w) for w in ws))
-        apart = jax.jit(lambda x, *ws: _rounded(skinny_matmul.matmul(x, w, interpret=interpret) for w in ws))
-        fused = jax.jit(lambda x, *ws: _rounded(skinny_matmul.matmul_many(x, ws, interpret=interpret)))
+        apart = jax.jit(lambda x, *ws, tiles=tiles: _rounded(skinny_matmul.matmul(x, w, interpret=interpret, **tiles)
+                                                             for w in ws))
+        fused = jax.jit(lambda x, *ws, tiles=tiles: _rounded(skinny_matmul.matmul_many(x, ws, interpret=interpret,
+                                                                                       **tiles)))
         label, note = f"{k} x {' + '.join(map(str, widths))}", ""
         try:
             want = np.concatenate([np.asarray(o, np.float64) for o in xla(x, *ws)], axis=1)
@@ -608,11 +614,11 @@ def bench_skinny_matmul(shapes: tuple, interpret: bool, failures: list) -> str:
             xla_us, apart_us, us = (gpu_us(functools.partial(f, x, *ws)) for f in (xla, apart, fused))
         except Exception as e:  # a lowering or compile error: report it and keep going
             err, xla_us, apart_us, us = (float("nan"),) * 4
-            note = failure_note(e, f"skinny {label}")
+            note = failure_note(e, f"skinny {rows} x {label}")
         if note:
-            failures.append(f"skinny_matmul {label}: {note}")
+            failures.append(f"skinny_matmul {rows} x {label}: {note}")
         mb = k * sum(widths) * 2 / 1e6
-        lines.append(f"| {label} | {mb:.1f} | {xla_us:.1f} | {apart_us:.1f} | {us:.1f} | {mb / us:.2f} "
+        lines.append(f"| {rows} | {label} | {mb:.1f} | {xla_us:.1f} | {apart_us:.1f} | {us:.1f} | {mb / us:.2f} "
                      f"| {mb / us / PEAK_TBS:.0%} | {xla_us / us:.2f}x | {err:.1e} | {note} |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
@@ -795,8 +801,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### gdn_prefill on {jax.devices()[0].device_kind} ({time.perf_counter() - gp_start:.0f} s)"
               f"\n\n{text}\n")
     if args.only in (None, "skinny_matmul"):
-        print("\nskinny_matmul: one row, bf16; GPU time per call (profiler)", flush=True)
-        text = bench_skinny_matmul(SKINNY_SMALL if args.small else SKINNY_FULL, interpret, failures)
+        print("\nskinny_matmul: decode rows, bf16; GPU time per call (profiler)", flush=True)
+        text = bench_skinny_matmul(SKINNY_SMALL if args.small else SKINNY_FULL,
+                                   SKINNY_ROWS_SMALL if args.small else SKINNY_ROWS, interpret, failures)
         print(f"\n### skinny_matmul on {jax.devices()[0].device_kind}\n\n{text}\n")
     if args.only in (None, "router"):
         print(f"\nrouter: E={ROUTER_DIMS['experts']} top_k={ROUTER_DIMS['top_k']}, bf16 logits; GPU time per call "
