@@ -111,16 +111,18 @@ def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, 
 MIN_K = 512
 
 
-# From two rows on XLA emits a GEMM; at 2-64 rows it still lost to one launch over a layer's projections of 38-51 MB
-# (the GDN's q/k/v/z/b/a: 25-37 against 14-25 us; attention's q/k/v/gate from 16 rows: 15-22 against 11-15 us) and
-# won on single weights of 2-17 MB (H200, BENCH_H200.md, eighteenth session). Rows past 16 take 64-column tiles.
+# From two rows on XLA emits a GEMM, but for several weights of one x it first concatenates them on every call (its
+# dot merger): at 8-64 rows one launch over a layer's projections of 38-51 MB beat it (the GDN's q/k/v/z/b/a: 26-38
+# against 16-25 us; attention's q/k/v/gate: 15-23 against 11-16 us), while XLA won on single weights, 2-50 MB (one
+# 50 MB weight: 13-14 against 15-19 us) (H200, `bench --only skinny_matmul`, BENCH_H200.md, eighteenth session).
+# Rows past 16 take 64-column tiles.
 MIN_MANY_ROWS_BYTES = 32 * 2**20
 
 
 def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1):
     """The layers' `dense` op (qwen_jax.layers.mlp.dense: x's last `contract` dims against w's first; a tuple of
     weights gives a tuple) on this kernel where it pays: K >= MIN_K, K a multiple of 16, and one row, or up to
-    MAX_ROWS rows through weights of MIN_MANY_ROWS_BYTES or more. The weights whose widths are multiples of 16
+    MAX_ROWS rows through several weights of MIN_MANY_ROWS_BYTES or more. The weights whose widths are multiples of 16
     share one launch (matmul_many); the rest (the shared expert's 1-column gate) and every other shape take the
     reference (XLA)."""
     ws = w if isinstance(w, tuple) else (w,)
@@ -129,7 +131,8 @@ def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1)
     widths = [math.prod(wi.shape[contract:]) for wi in ws]
     fused = [i for i, n in enumerate(widths) if n % 16 == 0]
     weight_bytes = sum(k * widths[i] * ws[i].dtype.itemsize for i in fused)
-    if rows > MAX_ROWS or k < MIN_K or k % 16 or not fused or rows > 1 and weight_bytes < MIN_MANY_ROWS_BYTES:
+    few_rows_pay = len(fused) > 1 and weight_bytes >= MIN_MANY_ROWS_BYTES
+    if rows > MAX_ROWS or k < MIN_K or k % 16 or not fused or rows > 1 and not few_rows_pay:
         return dense_reference(x, w, contract)
     tiles = {} if rows <= 16 else dict(block_n=64)
     outs = dict(zip(fused, matmul_many(x.reshape(rows, k), tuple(ws[i].reshape(k, widths[i]) for i in fused),

@@ -69,8 +69,9 @@ def test_dense_runs_the_kernel_for_one_row_only(x_shape, w_shape, contract, kern
 
 @pytest.mark.parametrize("rows,kernel", [(1, True), (2, True), (33, True), (64, True), (65, False)])
 def test_dense_runs_the_kernel_for_a_few_rows_through_large_weights(rows, kernel, monkeypatch):
-    """Up to MAX_ROWS rows take the kernel through weights of MIN_MANY_ROWS_BYTES or more (here lowered to the
-    test's 24 KB): a layer's large projections at a decode step of a few sequences; 33-64 rows run a 64-row tile."""
+    """Up to MAX_ROWS rows take the kernel through several weights of MIN_MANY_ROWS_BYTES or more (here lowered to
+    the test's 24 KB): a layer's large projections at a decode step of a few sequences; 33-64 rows run a 64-row
+    tile. One weight, or weights under the threshold: the kernel at one row only."""
     calls = []
     monkeypatch.setattr(skinny, "MIN_K", 64)
     monkeypatch.setattr(skinny, "MIN_MANY_ROWS_BYTES", 64 * 192 * 2)
@@ -79,10 +80,10 @@ def test_dense_runs_the_kernel_for_a_few_rows_through_large_weights(rows, kernel
     got, want = dense(x, ws), dense_reference(x, ws)
     assert all(a.shape == b.shape and rel_err(a, b) < 1e-5 for a, b in zip(got, want))
     assert bool(calls) == kernel
-    small = (normal(7, (64, 64), 0.1),)  # under the threshold: one row only
-    calls.clear()
-    dense(x, small)
-    assert bool(calls) == (rows == 1)
+    for alone in ((normal(7, (64, 64), 0.1),), (normal(8, (64, 384), 0.1),)):  # under the threshold; one weight
+        calls.clear()
+        dense(x, alone)
+        assert bool(calls) == (rows == 1)
 
 
 def test_dense_leaves_short_contractions_to_xla(monkeypatch):
