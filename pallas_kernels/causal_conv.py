@@ -31,7 +31,7 @@ import triton.language as tl
 
 from qwen_jax.layers.gated_deltanet import causal_conv as reference  # noqa: F401  (the jnp reference of this kernel)
 from qwen_jax.layers.gated_deltanet import causal_convs as reference_convs  # noqa: F401  (the conv op's)
-from qwen_jax.layers.gated_deltanet import conv_state
+from qwen_jax.layers.gated_deltanet import conv_state, slot_states
 
 
 @triton.jit
@@ -73,6 +73,20 @@ def _conv_kernel(x0_ptr, x1_ptr, x2_ptr, s0_ptr, s1_ptr, s2_ptr, w0_ptr, w1_ptr,
         _conv_tile(x2_ptr, s2_ptr, w2_ptr, o2_ptr, row, pid_t, pid_c - B0 - B1, SEQ, C2, KERNEL, BLOCK_T, BLOCK_C)
 
 
+def _three(arrays: list) -> list:
+    """Pad a list of one to three per-input arrays to three: a missing input has no channel blocks, so its stand-in
+    (the first input's array) is never read."""
+    return arrays + [arrays[0]] * (3 - len(arrays))
+
+
+def _launcher(triton_call):
+    if triton_call is not None:
+        return triton_call
+    import jax_triton  # here, not at the top: it refuses to import without a GPU
+
+    return jax_triton.triton_call
+
+
 def prefill_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
                   seq_lens: jax.Array, *, block_t: int = 64, block_c: int = 64, num_warps: int = 4,
                   triton_call=None) -> tuple[tuple[jax.Array, jax.Array], ...]:
@@ -95,14 +109,9 @@ def prefill_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weig
         flat_state.append(state.astype(x.dtype).reshape(batch, kernel - 1, channels))
         flat_w.append(w.reshape(kernel, channels))
     channels = [x.shape[2] for x in flat_x] + [0] * (3 - len(xs))  # a missing input: no channel blocks
-    pad = lambda arrays: arrays + [arrays[0]] * (3 - len(arrays))  # noqa: E731  (never read)
-    if triton_call is None:
-        import jax_triton  # here, not at the top: it refuses to import without a GPU
-
-        triton_call = jax_triton.triton_call
-    outs = triton_call(
-        *pad(flat_x), *pad(flat_state), *pad(flat_w), kernel=_conv_kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pad(flat_x)),
+    outs = _launcher(triton_call)(
+        *_three(flat_x), *_three(flat_state), *_three(flat_w), kernel=_conv_kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _three(flat_x)),
         grid=(batch, -(-seq // block_t), sum(-(-c // block_c) for c in channels)), num_warps=num_warps,
         num_stages=1, enable_fp_fusion=False, name="gdn_causal_conv", SEQ=seq, C0=channels[0], C1=channels[1],
         C2=channels[2], KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c)
@@ -129,8 +138,8 @@ def _step_tile(x_ptr, cache_ptr, w_ptr, out_ptr, cache_out_ptr, slot, fresh, liv
     dtype = out_ptr.dtype.element_ty
     conv = acc.to(dtype).to(tl.float32)
     tl.store(out_ptr + row * CHANNELS + c, (conv * (1.0 / (1.0 + tl.exp(-conv)))).to(dtype), mask=inside)
-    # the new state: the window shifted by the token (a padding row, seq_len 0, keeps it); every load above comes
-    # first, so shifting row i + 1 into row i in place reads nothing already written
+    # the new state: the window shifted by the token (a padding row, seq_len 0, keeps it), in place: row i is
+    # stored after rows i and i + 1 are loaded, and no later step reads a row below i + 1
     new = cache_out_ptr + slot.to(tl.int64) * ((KERNEL - 1) * CHANNELS) + c
     for i in tl.static_range(KERNEL - 1):
         kept = tl.where(fresh, 0.0, tl.load(state + i * CHANNELS, mask=inside, other=0.0).to(tl.float32))
@@ -183,19 +192,13 @@ def decode_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weigh
         flat_x.append(x.reshape(batch, channels))
         flat_cache.append(cache.reshape(cache.shape[0], kernel - 1, channels))
         flat_w.append(w.reshape(kernel, channels))
-    count = len(xs)
-    channels = [x.shape[1] for x in flat_x] + [0] * (3 - count)
-    pad = lambda arrays: arrays + [arrays[0]] * (3 - len(arrays))  # noqa: E731  (never read)
-    if triton_call is None:
-        import jax_triton  # here, not at the top: it refuses to import without a GPU
-
-        triton_call = jax_triton.triton_call
-    # a missing input's cache: a scratch row, never read or written (no channel blocks)
-    caches_in = flat_cache + [jnp.zeros((1, kernel - 1, 1), xs[0].dtype)] * (3 - count)
-    results = triton_call(
-        *pad(flat_x), *caches_in, *pad(flat_w), slots.astype(jnp.int32), fresh.astype(jnp.int32),
+    channels = [x.shape[1] for x in flat_x] + [0] * (3 - len(xs))  # a missing input: no channel blocks
+    # a missing input's cache: a scratch row (aliased in place like the others, so not another input's cache)
+    caches_in = flat_cache + [jnp.zeros((1, kernel - 1, 1), xs[0].dtype)] * (3 - len(xs))
+    results = _launcher(triton_call)(
+        *_three(flat_x), *caches_in, *_three(flat_w), slots.astype(jnp.int32), fresh.astype(jnp.int32),
         seq_lens.astype(jnp.int32), kernel=_step_kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pad(flat_x)) +
+        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _three(flat_x)) +
         tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches_in),
         input_output_aliases={3 + i: 3 + i for i in range(3)}, grid=(batch, sum(-(-c // block_c) for c in channels)),
         num_warps=num_warps, num_stages=1, enable_fp_fusion=False, name="gdn_causal_conv_step", C0=channels[0],
@@ -213,7 +216,7 @@ def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weigh
     around it."""
     if xs[0].shape[1] == 1:
         return decode_convs(xs, caches, weights, slots, fresh, seq_lens, triton_call=triton_call)
-    states = tuple(jnp.where(fresh.reshape((-1,) + (1,) * (c.ndim - 1)), 0, c[slots]) for c in caches)
+    states = tuple(slot_states(c, slots, fresh) for c in caches)
     results = prefill_convs(xs, states, weights, seq_lens, triton_call=triton_call)
     return (tuple(out for out, _ in results),
             tuple(c.at[slots].set(state.astype(c.dtype)) for c, (_, state) in zip(caches, results)))

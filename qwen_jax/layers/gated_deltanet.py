@@ -54,8 +54,7 @@ def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weigh
     launch, a decode step's state rows updated in place."""
     outs, new_caches = [], []
     for x, cache, w in zip(xs, caches, weights, strict=True):
-        state = jnp.where(fresh.reshape((-1,) + (1,) * (cache.ndim - 1)), 0, cache[slots])
-        out, state = causal_conv(x, state, w, seq_lens)
+        out, state = causal_conv(x, slot_states(cache, slots, fresh), w, seq_lens)
         outs.append(out)
         new_caches.append(cache.at[slots].set(state.astype(cache.dtype)))
     return tuple(outs), tuple(new_caches)
@@ -123,10 +122,10 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
     return jnp.moveaxis(out, 1, 2), final, jnp.moveaxis(boundaries, 0, 1)
 
 
-def slot_states(ssm: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
-    """The float32 states [B, nv, dk, dv] of a batch's rows: their slots of `ssm`, zeros for rows that start a
-    sequence."""
-    return jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
+def slot_states(cache: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
+    """A batch's rows of a state cache [slots, ...] (the float32 recurrent states, the conv windows): their slots,
+    zeros for rows that start a sequence."""
+    return jnp.where(fresh.reshape((-1,) + (1,) * (cache.ndim - 1)), 0, cache[slots])
 
 
 def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
