@@ -24,6 +24,7 @@ import numpy as np
 
 from pallas_kernels import gdn_prefill, moe_gemm, paged_attention, router, skinny_matmul
 from pallas_kernels.gdn_decode import gdn_decode, reference
+from qwen_jax.engine import runner
 from qwen_jax.layers.mlp import route, sparse_moe
 
 PEAK_TBS = 4.3  # H200 HBM3e
@@ -173,7 +174,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _step_in_place(step: Callable, inputs: dict, holder: dict) -> jax.Array:
+def _step_in_place(step: Callable, inputs, holder: dict) -> jax.Array:
     """One call of step(state, inputs) with its state donated: the holder keeps the state it returns."""
     out, holder["state"] = step(holder["state"], inputs)
     return out
@@ -599,7 +600,7 @@ def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failu
         keys = jax.random.split(jax.random.key(k * 7 + sum(widths)), 1 + len(widths))
         x = jax.random.normal(keys[0], (rows, k)).astype(jnp.bfloat16)
         ws = tuple((jax.random.normal(key, (k, n)) * 0.02).astype(jnp.bfloat16) for key, n in zip(keys[1:], widths))
-        tiles = {} if rows <= 16 else dict(block_n=64)  # as skinny_matmul.dense
+        tiles = skinny_matmul.row_tiles(rows)  # as skinny_matmul.dense
         xla = jax.jit(lambda x, *ws: _rounded(skinny_matmul.reference(x, w) for w in ws))
         apart = jax.jit(lambda x, *ws, tiles=tiles: _rounded(skinny_matmul.matmul(x, w, interpret=interpret, **tiles)
                                                              for w in ws))
@@ -658,7 +659,6 @@ def bench_router(token_counts: tuple, interpret: bool, failures: list) -> str:
 CONV_FULL = ((1, 4096), (8, 1024), (64, 1024))  # (rows, tokens a row) of a prefill
 CONV_CHANNELS = ((16, 128), (16, 128), (32, 128))  # 35B-A3B's q, k, v: (heads, head dim)
 CONV_DECODE = (1, 8, 64)  # rows of a decode step
-EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles (engine/runner.py): every bf16 rounding kept
 
 
 def conv_inputs(seed: int, shapes: list, scale: float) -> tuple:
@@ -679,7 +679,7 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
     from pallas_kernels import causal_conv
 
     xla = jax.jit(lambda xs, states, weights, lens: tuple(causal_conv.reference(x, state, w, lens) for x, state, w
-                                                          in zip(xs, states, weights)), compiler_options=EXACT)
+                                                          in zip(xs, states, weights)), compiler_options=runner.EXACT)
     kernel = jax.jit(causal_conv.prefill_convs)
     for rows, seq in shapes:
         xs = conv_inputs(3 * rows * seq, [(rows, seq) + c for c in CONV_CHANNELS], 1.0)
@@ -703,7 +703,7 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
         print(lines[-1], flush=True)
     # decode steps: the op on the state slots (caches donated, as the engine runs it), XLA's gathers, convs and
     # scatters against the one in-place launch
-    xla = jax.jit(causal_conv.reference_convs, compiler_options=EXACT, donate_argnums=(1,))
+    xla = jax.jit(causal_conv.reference_convs, compiler_options=runner.EXACT, donate_argnums=(1,))
     kernel = jax.jit(causal_conv.decode_convs, donate_argnums=(1,))
     for rows in CONV_DECODE if shapes else ():
         xs = conv_inputs(rows, [(rows, 1) + c for c in CONV_CHANNELS], 1.0)
@@ -717,7 +717,11 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
             got = kernel(xs, tuple(jnp.array(c) for c in caches), weights, slots, fresh, lens)
             same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
             note = "" if same else "differs from the reference"
-            xla_us, us = (gpu_us(_carried(f, xs, caches, weights, slots, fresh, lens)) for f in (xla, kernel))
+            # each call donates the caches the last one returned
+            xla_us, us = (gpu_us(functools.partial(
+                _step_in_place, lambda caches, args, f=f: f(args[0], caches, *args[1:]),
+                (xs, weights, slots, fresh, lens), {"state": tuple(jnp.array(c) for c in caches)}))
+                for f in (xla, kernel))
         except Exception as e:  # a lowering or compile error: report it and keep going
             same, xla_us, us = False, float("nan"), float("nan")
             note = failure_note(e, f"causal_conv {label}")
@@ -728,18 +732,6 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
                      f"| {xla_us / us:.2f}x | {same} | {note} |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
-
-
-def _carried(step: Callable, xs, caches, *rest) -> Callable[[], object]:
-    """A call of step(xs, caches, *rest) -> (outs, caches) that feeds each call the caches the last one returned
-    (they are donated)."""
-    held = {"caches": tuple(jnp.array(c) for c in caches)}
-
-    def call():
-        outs, held["caches"] = step(xs, held["caches"], *rest)
-        return outs
-
-    return call
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,8 +115,13 @@ MIN_K = 512
 # dot merger): at 8-64 rows one launch over a layer's projections of 38-51 MB beat it (the GDN's q/k/v/z/b/a: 26-38
 # against 16-25 us; attention's q/k/v/gate: 15-23 against 11-16 us), while XLA won on single weights, 2-50 MB (one
 # 50 MB weight: 13-14 against 15-19 us) (H200, `bench --only skinny_matmul`, BENCH_H200.md, eighteenth session).
-# Rows past 16 take 64-column tiles.
 MIN_MANY_ROWS_BYTES = 32 * 2**20
+
+
+def row_tiles(rows: int) -> dict:
+    """matmul_many's tiles for `rows` rows: the defaults up to 16, 64-column tiles past (the best of an H200 sweep
+    at 2-64 rows; GDN projections at 32 rows 19 against 21 us, attention's at 64 rows 15 against 18)."""
+    return {} if rows <= 16 else dict(block_n=64)
 
 
 def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1):
@@ -134,9 +139,8 @@ def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1)
     few_rows_pay = len(fused) > 1 and weight_bytes >= MIN_MANY_ROWS_BYTES
     if rows > MAX_ROWS or k < MIN_K or k % 16 or not fused or rows > 1 and not few_rows_pay:
         return dense_reference(x, w, contract)
-    tiles = {} if rows <= 16 else dict(block_n=64)
     outs = dict(zip(fused, matmul_many(x.reshape(rows, k), tuple(ws[i].reshape(k, widths[i]) for i in fused),
-                                       **tiles)))
+                                       **row_tiles(rows))))
     out = tuple(outs[i].reshape(*lead, *wi.shape[contract:]) if i in outs else dense_reference(x, wi, contract)
                 for i, wi in enumerate(ws))
     return out if isinstance(w, tuple) else out[0]

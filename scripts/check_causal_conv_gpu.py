@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import causal_conv
+from qwen_jax.engine.runner import EXACT  # compiled as the engine compiles: every bf16 rounding kept
 
-EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles (engine/runner.py)
 reference = jax.jit(causal_conv.reference_convs, compiler_options=EXACT)
 kernel = jax.jit(causal_conv.causal_convs)
 rng = np.random.default_rng(0)
