@@ -203,26 +203,49 @@ def gpu_us(call: Callable[[], object]) -> float:
     return busy_ms * 1e3 if busy_ms > 0 else float("nan")
 
 
-def time_chained(fn: Callable, args: tuple, chain: int, repeats: int) -> float:
+# Input sets that a memory-bound measurement cycles through where one call reads about as much as the GPU's L2
+# holds (50 MB on an H100 / H200): one token's 8 experts are 50 MB, a GDN layer's input projections 51 MB. Timed on
+# one set, every call after the first finds much of its weights still in L2, which the model never does (each
+# layer reads other weights in between): one token's MoE measured 16 us that way and 19.4 us cycling through 8
+# routings, 19-20 us inside a decode step (BENCH_H200.md, nineteenth session).
+CYCLED_SETS = 8
+
+
+def gpu_us_cycled(fn: Callable, arg_sets: list[tuple]) -> float:
+    """gpu_us per call of jit(fn), the calls taking `arg_sets` in turn."""
+    compiled = jax.jit(fn)
+
+    def call():
+        for args in arg_sets:
+            out = compiled(*args)
+        return out
+
+    return gpu_us(call) / len(arg_sets)
+
+
+def time_chained(fn: Callable, args: tuple, chain: int, repeats: int, operand_sets: list[tuple] | None = None
+                 ) -> float:
     """Median device microseconds per call of fn(q, *operands) -> q's shape: `chain` calls unrolled in one jitted
     program, each call's output the next one's q (no host dispatch or loop condition per call). An optimization
     barrier before each call hides that the operands repeat, so XLA cannot share work between the calls (the
-    reference's page gather, say)."""
-    def chained(q, *operands):
-        for _ in range(chain):
-            q, *operands = jax.lax.optimization_barrier((q, *operands))
+    reference's page gather, say). operand_sets: call c takes operand_sets[c % len] instead of args[1:] (see
+    CYCLED_SETS)."""
+    sets = operand_sets or [tuple(args[1:])]
+
+    def chained(q, sets):
+        for c in range(chain):
+            q, operands = jax.lax.optimization_barrier((q, sets[c % len(sets)]))
             q = fn(q, *operands)
         return q
 
     looped = jax.jit(chained)
-    jax.block_until_ready(looped(*args))
+    jax.block_until_ready(looped(args[0], sets))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(looped(*args))
+        jax.block_until_ready(looped(args[0], sets))
         times.append((time.perf_counter() - t0) / chain)
     return statistics.median(times) * 1e6
-
 
 
 # ---- MoE grouped GEMM ------------------------------------------------------------------------------------------
@@ -259,6 +282,13 @@ def moe_inputs(tokens: int, dims: dict):
     weights, ids = route(x, router, dims["top_k"], True)
     w = lambda k, shape: (jax.random.normal(k, shape) * 0.02).astype(jnp.bfloat16)
     return (x, weights, ids, w(keys[2], (e, h, i)), w(keys[3], (e, h, i)), w(keys[4], (e, i, h))), router
+
+
+def moe_routings(tokens: int, dims: dict, router: jax.Array, count: int) -> list[tuple[jax.Array, jax.Array]]:
+    """`count` more (weights, ids) routings of fresh tokens through `router`, for cycled measurements."""
+    xs = [jax.random.normal(jax.random.key(1000 * tokens + r), (tokens, dims["hidden"])).astype(jnp.bfloat16)
+          for r in range(count)]
+    return [(x,) + route(x, router, dims["top_k"], True) for x in xs]
 
 
 def moe_layer_params(router: jax.Array, experts: tuple, dims: dict) -> dict:
@@ -309,23 +339,30 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> li
 
 def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failures: list) -> str:
     """Routed experts alone (every configuration), then the whole MoE layer (router, top-k, routed and shared
-    expert) with the default kernels and with the reference, each chained `chain` times in one program."""
+    expert) with the default kernels and with the reference, each chained `chain` times in one program; up to
+    FEW_TOKENS tokens the calls cycle through CYCLED_SETS routings ("experts read": their mean)."""
     lines = ["| tokens | experts read | impl | config | us/call | TB/s (weights read) | of 4.3 TB/s | TFLOP/s "
              "| vs reference | rel err | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     h, i, chain, repeats = dims["hidden"], dims["inter"], dims["chain"], dims["repeats"]
     as_x = lambda fn: lambda x, *rest: fn(x, *rest).astype(x.dtype)  # chained: each call's output is the next x
     for tokens in dims["tokens"]:
         args, router = moe_inputs(tokens, dims)
-        used = int(np.unique(np.asarray(args[2])).size)
+        x, experts = args[0], args[3:]
+        # up to FEW_TOKENS the experts read fit in L2 or nearly: each call of a chain takes another routing
+        cycled = [(x,) + args[1:3]] + moe_routings(tokens, dims, router, CYCLED_SETS - 1) \
+            if tokens <= moe_gemm.FEW_TOKENS else [(x,) + args[1:3]]
+        operand_sets = [tuple(routing) + experts for _, *routing in cycled]
+        used = round(float(np.mean([np.unique(np.asarray(ids)).size for _, _, ids in cycled])), 1)
         moved = used * 3 * h * i * 2 + tokens * h * 2 * 2  # distinct experts' bf16 weights + x in, out
         flops = 2 * tokens * dims["top_k"] * 3 * h * i
         # ragged_dot materialises [groups, rows, H] on the GPU: the reference runs 2,048 tokens at a time (exact:
         # tokens are independent)
         ref = jax.jit(moe_gemm.reference)
-        want = np.concatenate([np.asarray(ref(args[0][t:t + 2048], args[1][t:t + 2048], args[2][t:t + 2048],
-                                              *args[3:]), np.float64) for t in range(0, tokens, 2048)])
+        want = np.concatenate([np.asarray(ref(x[t:t + 2048], args[1][t:t + 2048], args[2][t:t + 2048], *experts),
+                                          np.float64) for t in range(0, tokens, 2048)])
         # ragged_dot takes ~80 ms at 4,096 tokens and grows linearly: timed up to there
-        ref_us = time_chained(as_x(moe_gemm.reference), args, chain, repeats) if tokens <= 4096 else float("nan")
+        ref_us = time_chained(as_x(moe_gemm.reference), args, chain, repeats, operand_sets) if tokens <= 4096 \
+            else float("nan")
         line = functools.partial(_moe_line, lines, tokens, used, moved, flops, ref_us)
         line("ragged_dot (XLA)", "-", ref_us)
         for impl, config, fn in _moe_candidates(tokens, dims, interpret, small):
@@ -336,25 +373,26 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
                 got = np.asarray(jax.jit(fn)(*args), np.float64)
                 err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
                 note = "" if err < MOE_MAX_REL_ERR else f"rel err above {MOE_MAX_REL_ERR:g}"
-                line(impl, config, time_chained(as_x(fn), args, chain, repeats), err, note)
+                line(impl, config, time_chained(as_x(fn), args, chain, repeats, operand_sets), err, note)
                 if impl.startswith("default") and not interpret:
-                    line(impl + ", GPU kernel time (profiler)", config, gpu_us(functools.partial(jax.jit(fn), *args)),
-                         err, note)
+                    line(impl + ", GPU kernel time (profiler)", config,
+                         gpu_us_cycled(fn, [(x,) + operands for operands in operand_sets]), err, note)
             except Exception as e:  # a lowering or compile error: report it and keep going
                 note = failure_note(e, f"moe T={tokens} {config}")
                 line(impl, config, float("nan"), note=note)
             if note:
                 failures.append(f"moe T={tokens} {config}: {note}")
         # The whole layer: what the decode step pays per MoE layer (router GEMM, softmax top-k, experts, shared).
-        p = moe_layer_params(router, args[3:], dims)
+        p = moe_layer_params(router, experts, dims)
         layer_moved = moved + (h * dims["experts"] + 3 * h * dims["shared_inter"]) * 2
         for kernels in ("reference", "gpu"):
             if kernels == "reference" and tokens > 4096 or time.perf_counter() > deadline:
                 continue
             layer = functools.partial(sparse_moe, top_k=dims["top_k"], renormalize=True, kernels=kernels)
-            # chained through a residual, as in the model: feeding the MoE's small output back as x would route
-            # every token to the same few experts
-            us = time_chained(lambda x, p, layer=layer: x + layer(x, p), (args[0], p), chain, repeats)
+            # chained through a residual, as in the model, each call on the next set's tokens (feeding the MoE's
+            # small output back as x would route every token to the same few experts)
+            us = time_chained(lambda q, tokens_in, p, layer=layer: q + layer(tokens_in, p), (x, x, p), chain,
+                              repeats, [(tokens_in, p) for tokens_in, *_ in cycled])
             _moe_line(lines, tokens, used, layer_moved, flops, ref_us, f"whole MoE layer, kernels={kernels}",
                       "router + top-k + experts + shared", us)
     return "\n".join(lines)
@@ -592,8 +630,8 @@ def _rounded(outs) -> tuple:
 def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failures: list) -> str:
     """x [rows, K] @ each w [K, N] rounded to bf16, as the layers' dense op does: XLA's dots (reduction fusions at one
     row, GEMMs from two) against the kernel launched once per weight and once for all of them (matmul_many, with
-    `dense`'s tiles), GPU time from the profiler (gpu_us; NaN on the CPU). `dense` takes the kernel at one row, and
-    at up to 64 rows through 32 MB of weights or more."""
+    `dense`'s tiles), GPU time from the profiler (gpu_us_cycled over copies of the weights; NaN on the CPU). `dense`
+    takes the kernel at one row, and at up to 64 rows through 32 MB of weights or more."""
     lines = ["| rows | K x N | weight MB | XLA us | kernel per weight us | one launch us | TB/s | of 4.3 TB/s | vs XLA "
              "| rel err | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (k, widths), rows in itertools.product(shapes, row_counts):
@@ -612,7 +650,10 @@ def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failu
             err = max(float(np.max(np.abs(np.concatenate([np.asarray(o, np.float64) for o in f(x, *ws)], axis=1)
                                            - want)) / np.max(np.abs(want))) for f in (apart, fused))
             note = "" if err < SKINNY_MAX_REL_ERR else f"rel err above {SKINNY_MAX_REL_ERR:g}"
-            xla_us, apart_us, us = (gpu_us(functools.partial(f, x, *ws)) for f in (xla, apart, fused))
+            # each call on other copies of the weights (CYCLED_SETS): a layer's projections fit in L2
+            copies = [ws] + [tuple(w + jnp.asarray(c, w.dtype) for w in ws) for c in range(1, CYCLED_SETS)]
+            xla_us, apart_us, us = (gpu_us_cycled(f, [(x, *w) for w in copies]) for f in (xla, apart, fused))
+            del copies
         except Exception as e:  # a lowering or compile error: report it and keep going
             err, xla_us, apart_us, us = (float("nan"),) * 4
             note = failure_note(e, f"skinny {rows} x {label}")
