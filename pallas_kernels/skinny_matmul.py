@@ -36,35 +36,43 @@ def reference(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, *refs, rows: int, block_k: int, steps: int, bounds: tuple[int, ...], tiles: tuple[int, ...]):
+def _kernel(x_ref, *refs, rows: int, block_k: int, steps: int, bounds: tuple[int, ...], tiles: tuple[int, ...],
+            widths: tuple[int, ...]):
     """Program (n, s): every row of x through column block n of the weights side by side, over contraction slice s
     -> out[s, :, block n's columns]. Weight i holds column blocks bounds[i] .. bounds[i + 1] - 1, each tiles[i]
-    columns wide (a narrow weight such as the GDN's 32-column b and a is one block of its own width); a program reads
-    only its own weight (one branch per weight, none when there is one)."""
+    columns wide (a narrow weight such as the GDN's 32-column b and a is one block of its own width; one under 16
+    columns, such as the shared expert's 1-column gate, one block of 16 whose columns past its width read nothing
+    and store nothing); a program reads only its own weight (one branch per weight, none when there is one)."""
     *w_refs, out_ref = refs
     n, s = pl.program_id(0), pl.program_id(1)
     num_rows = x_ref.shape[0]
     row = jnp.arange(rows, dtype=jnp.int32)
     clipped = jnp.minimum(row, num_rows - 1)[:, None]  # padding rows repeat the last row: finite, never stored
 
-    def run(w_ref, start, tile, first_col):
+    def run(w_ref, start, tile, width, first_col):
         cols = pl.ds(pl.multiple_of((n - start) * tile, tile), tile)
+        col = jnp.arange(tile, dtype=jnp.int32)[None, :]
 
         def body(i, acc):
             k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
             x = x_ref[clipped, k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]]
-            return acc + jnp.dot(x, w_ref[pl.ds(k0, block_k), cols], preferred_element_type=jnp.float32)
+            if width < tile:
+                w = pltriton.load(w_ref.at[k0 + jnp.arange(block_k, dtype=jnp.int32)[:, None],
+                                           jnp.minimum(col, width - 1)], mask=col < width, other=0.0)
+            else:
+                w = w_ref[pl.ds(k0, block_k), cols]
+            return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, tile), jnp.float32))
-        col = first_col + (n - start) * tile + jnp.arange(tile, dtype=jnp.int32)[None, :]
-        pltriton.store(out_ref.at[s, row[:, None], col], acc, mask=(row < num_rows)[:, None])
+        mask = (row < num_rows)[:, None] & (col < width)
+        pltriton.store(out_ref.at[s, row[:, None], first_col + (n - start) * tile + col], acc, mask=mask)
 
-    first_cols = itertools.accumulate(((b - a) * t for a, b, t in zip(bounds, bounds[1:], tiles)), initial=0)
+    first_cols = tuple(itertools.accumulate(widths, initial=0))
     if len(w_refs) == 1:
-        run(w_refs[0], 0, tiles[0], 0)
+        run(w_refs[0], 0, tiles[0], widths[0], 0)
         return
-    for w_ref, start, end, tile, first_col in zip(w_refs, bounds, bounds[1:], tiles, first_cols):
-        pl.when((n >= start) & (n < end))(functools.partial(run, w_ref, start, tile, first_col))
+    for w_ref, start, end, tile, width, first_col in zip(w_refs, bounds, bounds[1:], tiles, widths, first_cols):
+        pl.when((n >= start) & (n < end))(functools.partial(run, w_ref, start, tile, width, first_col))
 
 
 def matmul(x: jax.Array, w: jax.Array, **tiles) -> jax.Array:
@@ -88,16 +96,16 @@ def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, 
         raise ValueError(f"skinny_matmul: x has {num_rows} rows; the kernel takes 1 to {MAX_ROWS}")
     if any(w.shape[0] != k for w in ws):
         raise ValueError(f"skinny_matmul: weights {[w.shape for w in ws]} do not all contract x's {k} columns")
-    tiles, block_k = tuple(_tile(n, block_n) for n in widths), _tile(k, block_k)
+    tiles, block_k = tuple(16 if n < 16 else _tile(n, block_n) for n in widths), _tile(k, block_k)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    bounds = tuple(itertools.accumulate((n // t for n, t in zip(widths, tiles)), initial=0))
+    bounds = tuple(itertools.accumulate((-(-n // t) for n, t in zip(widths, tiles)), initial=0))
     steps = k // block_k
     split = split_contraction(bounds[-1], steps, split_k)
     params = None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     parts = pl.pallas_call(
         functools.partial(_kernel, rows=max(16, pl.next_power_of_2(num_rows)), block_k=block_k,
-                          steps=steps // split, bounds=bounds, tiles=tiles),
+                          steps=steps // split, bounds=bounds, tiles=tiles, widths=tuple(widths)),
         out_shape=jax.ShapeDtypeStruct((split, num_rows, sum(widths)), jnp.float32),
         grid=(bounds[-1], split), interpret=interpret, compiler_params=params, name="skinny_matmul")(x, *ws)
     out = parts.sum(axis=0) if split > 1 else parts[0]
@@ -128,13 +136,14 @@ def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1)
     """The layers' `dense` op (qwen_jax.layers.mlp.dense: x's last `contract` dims against w's first; a tuple of
     weights gives a tuple) on this kernel where it pays: K >= MIN_K, K a multiple of 16, and one row, or up to
     MAX_ROWS rows through several weights of MIN_MANY_ROWS_BYTES or more. The weights whose widths are multiples of 16
-    share one launch (matmul_many); the rest (the shared expert's 1-column gate) and every other shape take the
-    reference (XLA)."""
+    share one launch (matmul_many), joined by those under 16 columns (the shared expert's 1-column gate: in XLA a
+    launch of its own); a lone narrow weight and every other shape take the reference (XLA)."""
     ws = w if isinstance(w, tuple) else (w,)
     lead = x.shape[:x.ndim - contract]
     rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract:])
     widths = [math.prod(wi.shape[contract:]) for wi in ws]
     fused = [i for i, n in enumerate(widths) if n % 16 == 0]
+    fused = sorted(fused + [i for i, n in enumerate(widths) if n < 16]) if fused else fused
     weight_bytes = sum(k * widths[i] * ws[i].dtype.itemsize for i in fused)
     few_rows_pay = len(fused) > 1 and weight_bytes >= MIN_MANY_ROWS_BYTES
     if rows > MAX_ROWS or k < MIN_K or k % 16 or not fused or rows > 1 and not few_rows_pay:

@@ -64,10 +64,10 @@ def test_gpu_kernels_give_close_logprobs(outputs):
 
 def test_one_sequence_decodes_through_the_one_row_projection_kernel(outputs):
     """Alone, a sequence decodes one row a step: its projections run the skinny matmul kernel, same tokens; a
-    layer's projections of the same x share a launch (GDN q/k/v/z, attention q/k/v/gate: 4 weights; the built-in
-    model's GDN b and a are 4 columns wide, not a tile)."""
+    layer's projections of the same x share a launch (attention q/k/v/gate: 4 weights; GDN q/k/v/z with b and a,
+    which are 4 columns wide in the built-in model and join as one masked 16-column block each: 6)."""
     rows, weights = zip(*outputs["skinny_rows"])
-    assert set(rows) == {1} and max(weights) == 4  # traced for one-row decode steps only
+    assert set(rows) == {1} and max(weights) == 6 and 4 in weights  # traced for one-row decode steps only
     ref, fast = outputs["reference", "alone"][0], outputs["gpu", "alone"][0]
     assert fast.token_ids == ref.token_ids and len(fast.token_ids) == 6
 

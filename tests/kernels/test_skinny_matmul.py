@@ -113,6 +113,8 @@ def test_lowers_to_one_triton_call_for_cuda():
     (3, (64, 192, 64), 2),       # tiles of 64 (the widths' gcd), three weights
     (1, (48, 16), 1),            # tiles of 16
     (1, (256, 32, 32), None),    # a GDN layer's v with b and a: the narrow ones one block of 32 columns each
+    (1, (256, 512, 512, 1), None),  # router, shared gate / up and the 1-column shared gate: a masked 16-column block
+    (5, (1, 64, 7), 2),          # narrow weights first and last, odd widths under 16, several rows
 ])
 def test_many_weights_in_one_launch_match_each_reference(rows, widths, split_k):
     x = normal(rows, (rows, 256))
@@ -131,8 +133,8 @@ def test_many_weights_must_share_the_contraction():
 
 
 def test_dense_of_a_tuple_runs_one_launch(monkeypatch):
-    """A GDN layer's projections at one row: q/k/v/z and the narrow b/a (16 columns, under one tile) share one
-    launch, the shared expert's 1-column gate stays on XLA; each result equals the reference's. Two rows: XLA's
+    """A GDN layer's projections at one row: q/k/v/z, the narrow b/a (16 columns, under one tile) and a 1-column
+    weight (as the shared expert's gate) share one launch; each result equals the reference's. Two rows: XLA's
     GEMMs."""
     launches = []
     monkeypatch.setattr(skinny, "MIN_K", 64)
@@ -144,7 +146,7 @@ def test_dense_of_a_tuple_runs_one_launch(monkeypatch):
     assert isinstance(got, tuple) and len(got) == len(ws)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == jnp.float32 and rel_err(a, b) < 1e-5
-    assert launches == [6]
+    assert launches == [7]
     launches.clear()
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(dense(normal(4, (2, 1, 64)), ws), dense_reference(
         normal(4, (2, 1, 64)), ws)))
