@@ -89,9 +89,10 @@ def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, 
     and one stream of all the weights instead of one per weight (a layer's q/k/v/z projections: four 4-16 MB
     weights, each too small to reach full bandwidth alone). block_k shrinks to divide K, and each weight's column
     tile is block_n shrunk to divide its width (a 32-column weight is one block of 32: contiguous loads that Triton
-    pipelines); split_k: slices of the contraction (None: moe_gemm.split_contraction over all the column blocks).
-    Default tiles: the fastest or tied at every 35B-A3B projection shape of one row (H200, BENCH_H200.md).
-    interpret=None interprets on CPU only."""
+    pipelines; widths of 16 or more must be multiples of 16, one under 16 is one masked block of 16); split_k:
+    slices of the contraction (None: moe_gemm.split_contraction over all the column blocks). Default tiles: the
+    fastest or tied at every 35B-A3B projection shape of one row (H200, BENCH_H200.md). interpret=None interprets on
+    CPU only."""
     (num_rows, k), widths = x.shape, [w.shape[1] for w in ws]
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul: x has {num_rows} rows; the kernel takes 1 to {MAX_ROWS}")
