@@ -284,8 +284,9 @@ def moe_inputs(tokens: int, dims: dict):
     return (x, weights, ids, w(keys[2], (e, h, i)), w(keys[3], (e, h, i)), w(keys[4], (e, i, h))), router
 
 
-def moe_routings(tokens: int, dims: dict, router: jax.Array, count: int) -> list[tuple[jax.Array, jax.Array]]:
-    """`count` more (weights, ids) routings of fresh tokens through `router`, for cycled measurements."""
+def moe_routings(tokens: int, dims: dict, router: jax.Array, count: int) -> list[tuple[jax.Array, ...]]:
+    """`count` more sets of fresh tokens with their routing through `router`, (x, weights, ids) each, for cycled
+    measurements."""
     xs = [jax.random.normal(jax.random.key(1000 * tokens + r), (tokens, dims["hidden"])).astype(jnp.bfloat16)
           for r in range(count)]
     return [(x,) + route(x, router, dims["top_k"], True) for x in xs]
@@ -349,8 +350,9 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
         args, router = moe_inputs(tokens, dims)
         x, experts = args[0], args[3:]
         # up to FEW_TOKENS the experts read fit in L2 or nearly: each call of a chain takes another routing
-        cycled = [(x,) + args[1:3]] + moe_routings(tokens, dims, router, CYCLED_SETS - 1) \
-            if tokens <= moe_gemm.FEW_TOKENS else [(x,) + args[1:3]]
+        cycled = [args[:3]]
+        if tokens <= moe_gemm.FEW_TOKENS:
+            cycled += moe_routings(tokens, dims, router, CYCLED_SETS - 1)
         operand_sets = [tuple(routing) + experts for _, *routing in cycled]
         used = round(float(np.mean([np.unique(np.asarray(ids)).size for _, _, ids in cycled])), 1)
         moved = used * 3 * h * i * 2 + tokens * h * 2 * 2  # distinct experts' bf16 weights + x in, out
@@ -653,7 +655,6 @@ def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failu
             # each call on other copies of the weights (CYCLED_SETS): a layer's projections fit in L2
             copies = [ws] + [tuple(w + jnp.asarray(c, w.dtype) for w in ws) for c in range(1, CYCLED_SETS)]
             xla_us, apart_us, us = (gpu_us_cycled(f, [(x, *w) for w in copies]) for f in (xla, apart, fused))
-            del copies
         except Exception as e:  # a lowering or compile error: report it and keep going
             err, xla_us, apart_us, us = (float("nan"),) * 4
             note = failure_note(e, f"skinny {rows} x {label}")
