@@ -144,10 +144,10 @@ def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1)
     lead = x.shape[:x.ndim - contract]
     rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract:])
     widths = [math.prod(wi.shape[contract:]) for wi in ws]
-    fused = [i for i, n in enumerate(widths) if n % 16 == 0]
-    fused = sorted(fused + [i for i, n in enumerate(widths) if n < 16]) if fused else fused
-    weight_bytes = sum(k * widths[i] * ws[i].dtype.itemsize for i in fused)
-    few_rows_pay = len(fused) > 1 and weight_bytes >= MIN_MANY_ROWS_BYTES
+    wide = [i for i, n in enumerate(widths) if n % 16 == 0]
+    fused = [i for i, n in enumerate(widths) if n % 16 == 0 or n < 16] if wide else []  # narrow ones only join
+    weight_bytes = sum(k * widths[i] * ws[i].dtype.itemsize for i in wide)
+    few_rows_pay = len(wide) > 1 and weight_bytes >= MIN_MANY_ROWS_BYTES
     if rows > MAX_ROWS or k < MIN_K or k % 16 or not fused or rows > 1 and not few_rows_pay:
         return dense_reference(x, w, contract)
     outs = dict(zip(fused, matmul_many(x.reshape(rows, k), tuple(ws[i].reshape(k, widths[i]) for i in fused),

@@ -80,7 +80,9 @@ def test_dense_runs_the_kernel_for_a_few_rows_through_large_weights(rows, kernel
     got, want = dense(x, ws), dense_reference(x, ws)
     assert all(a.shape == b.shape and rel_err(a, b) < 1e-5 for a, b in zip(got, want))
     assert bool(calls) == kernel
-    for alone in ((normal(7, (64, 64), 0.1),), (normal(8, (64, 384), 0.1),)):  # under the threshold; one weight
+    # under the threshold; one weight; one weight with a narrow one (which does not make several)
+    for alone in ((normal(7, (64, 64), 0.1),), (normal(8, (64, 384), 0.1),),
+                  (normal(8, (64, 384), 0.1), normal(9, (64, 1), 0.1))):
         calls.clear()
         dense(x, alone)
         assert bool(calls) == (rows == 1)
