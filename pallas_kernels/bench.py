@@ -308,9 +308,9 @@ def _moe_line(lines, tokens, used, moved, flops, ref_us, impl, config, us, err=f
     print(lines[-1], flush=True)
 
 
-def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> list:
+def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool, defaults_only: bool = False) -> list:
     """(impl, config label, routed_experts with that configuration) to time at this token count: the defaults,
-    then each layout's sweep (native Triton only on a GPU with jax-triton)."""
+    then (unless defaults_only) each layout's sweep (native Triton only on a GPU with jax-triton)."""
     native = not interpret and moe_gemm.triton_available()
     sweep = tokens >= MOE_SORTED_SWEEP and not small
     candidates = [dict()]
@@ -324,6 +324,8 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> li
                             num_stages=st, down=down, tail_m=tail)
                        for bm, bn, bk, w, st, down, tail in (MOE_TRITON_CONFIGS if sweep else
                                                               MOE_TRITON_SMALL_CONFIGS)]
+    if defaults_only:
+        candidates = candidates[:1]
     out = []
     for given in candidates:
         t = moe_gemm.resolve_tiles(tokens, tokens * dims["top_k"], native, **given)
@@ -338,10 +340,11 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool) -> li
     return out
 
 
-def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failures: list) -> str:
-    """Routed experts alone (every configuration), then the whole MoE layer (router, top-k, routed and shared
-    expert) with the default kernels and with the reference, each chained `chain` times in one program; up to
-    FEW_TOKENS tokens the calls cycle through CYCLED_SETS routings ("experts read": their mean)."""
+def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failures: list,
+              defaults_only: bool = False) -> str:
+    """Routed experts alone (every configuration, or the default one), then the whole MoE layer (router, top-k,
+    routed and shared expert) with the default kernels and with the reference, each chained `chain` times in one
+    program; up to FEW_TOKENS tokens the calls cycle through CYCLED_SETS routings ("experts read": their mean)."""
     lines = ["| tokens | experts read | impl | config | us/call | TB/s (weights read) | of 4.3 TB/s | TFLOP/s "
              "| vs reference | rel err | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     h, i, chain, repeats = dims["hidden"], dims["inter"], dims["chain"], dims["repeats"]
@@ -367,7 +370,7 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
             else float("nan")
         line = functools.partial(_moe_line, lines, tokens, used, moved, flops, ref_us)
         line("ragged_dot (XLA)", "-", ref_us)
-        for impl, config, fn in _moe_candidates(tokens, dims, interpret, small):
+        for impl, config, fn in _moe_candidates(tokens, dims, interpret, small, defaults_only):
             if time.perf_counter() > deadline:
                 line(impl, config, float("nan"), note="skipped: time budget")
                 continue
@@ -437,7 +440,8 @@ def _pa_line(lines, case, moved, flops, roof, ref_us, impl, config, us, err=floa
     print(lines[-1], flush=True)
 
 
-def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: float, failures: list) -> str:
+def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: float, failures: list,
+                          defaults_only: bool = False) -> str:
     lines = [f"| case | impl | config | us/call | TB/s (K, V, q, o) | TFLOP/s | roofline ({PA_PEAK_TBS} TB/s HBM or "
              f"{PEAK_TFLOPS:.0f} TFLOP/s) | vs reference | rel err | note |", "|---" * 10 + "|"]
     heads, kv, dim = dims["heads"], dims["kv_heads"], dims["head_dim"]
@@ -476,7 +480,7 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
                      note=f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
 
         configs = PA_DECODE_CONFIGS if kind == "decode" else PA_PREFILL_CONFIGS
-        for bm, bk, splits, warps, stages in configs[:2] if small else configs:
+        for bm, bk, splits, warps, stages in configs[:1] if defaults_only else configs[:2] if small else configs:
             config = "defaults" if (bm, bk, splits, warps, stages) == (None,) * 5 else \
                 f"BM={bm or '-'} BK={bk} splits={splits or 'auto'} w={warps} s={stages}"
             if time.perf_counter() > deadline:
@@ -781,8 +785,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpret mode on CPU (a smoke test)")
     parser.add_argument("--budget-s", type=float, default=70.0, help="start no kernel configuration after this "
                         "(per kernel)")
-    parser.add_argument("--defaults-only", action="store_true", help="gdn_prefill: the default configuration only "
-                        "(and each launch alone)")
+    parser.add_argument("--defaults-only", action="store_true", help="each kernel's default configuration only, "
+                        "no tile sweep (gdn_prefill: also each launch alone)")
     parser.add_argument("--moe-tokens", help="moe: comma-separated token counts instead of the full list")
     parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention", "skinny_matmul", "router",
                                            "causal_conv"),
@@ -803,11 +807,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe_gemm: E={dims['experts']} H={dims['hidden']} I={dims['inter']} top_k={dims['top_k']}; "
               f"us/call = median of {dims['repeats']} x ({dims['chain']} calls chained in one program) / chain",
               flush=True)
-        text = bench_moe(dims, interpret, args.small, time.perf_counter() + args.budget_s, failures)
+        text = bench_moe(dims, interpret, args.small, time.perf_counter() + args.budget_s, failures,
+                         args.defaults_only)
         print(f"\n### moe_gemm on {jax.devices()[0].device_kind} ({time.perf_counter() - start:.0f} s)\n\n{text}\n")
     if args.only in (None, "gdn"):
         dims = SMALL if args.small else FULL
-        configs = [(8, 1)] if args.small else CONFIGS
+        configs = [(8, 1)] if args.small else CONFIGS[:1] if args.defaults_only else CONFIGS
         print(f"gdn_decode: nk={dims['nk']} nv={dims['nv']} dk={dims['dk']} dv={dims['dv']}, slots = B + 1, "
               f"{dims['repeats']} repeats; queued = {dims['inner']} calls back to back, then block", flush=True)
         rows, gdn_start = [], time.perf_counter()
@@ -820,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npaged_attention: heads={dims['heads']} kv_heads={dims['kv_heads']} D={dims['head_dim']} "
               f"block_size={dims['block_size']}, bf16; us/call = median of {dims['repeats']} x ({dims['chain']} "
               "calls chained in one program) / chain; roofline: decode HBM, prefill tensor cores", flush=True)
-        text = bench_paged_attention(dims, interpret, args.small, pa_start + args.budget_s, failures)
+        text = bench_paged_attention(dims, interpret, args.small, pa_start + args.budget_s, failures,
+                                     args.defaults_only)
         print(f"\n### paged_attention on {jax.devices()[0].device_kind} ({time.perf_counter() - pa_start:.0f} s)"
               f"\n\n{text}\n")
     if args.only in (None, "gdn_prefill"):

@@ -12,3 +12,6 @@ def test_small_bench_runs_every_kernel_and_reports_no_failure(capsys):
         assert f"### {kernel} on" in out, kernel
     for launch in ("gdn_prefill_prepare", "gdn_prefill_recurrence"):
         assert f"{launch} alone" in out, launch  # each launch timed alone, with the arguments the kernels take now
+    # --defaults-only: each kernel's default tiles, no sweep rows
+    assert "| default: pallas moe_gemm" in out and "| pallas moe_gemm" not in out
+    assert "| pallas paged_attention | defaults |" in out and "| pallas paged_attention | BM=" not in out
