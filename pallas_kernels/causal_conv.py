@@ -79,6 +79,12 @@ def _three(arrays: list) -> list:
     return arrays + [arrays[0]] * (3 - len(arrays))
 
 
+def _check_counts(xs: tuple, others: tuple, weights: tuple, others_name: str) -> None:
+    if not (len(xs) == len(others) == len(weights)) or not 1 <= len(xs) <= 3:
+        raise ValueError(f"causal_conv: give one to three inputs with a {others_name[:-1]} and a weight each, got "
+                         f"{len(xs)} inputs, {len(others)} {others_name}, {len(weights)} weights")
+
+
 def _launcher(triton_call):
     if triton_call is not None:
         return triton_call
@@ -94,9 +100,7 @@ def prefill_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weig
     weight), in one launch; returns ((out, new state), ...) as reference does. Tiles: 64 x 64 was the best or within
     3% of it among nine on an H200 at 1 x 4,096, 8 x 1,024 and 64 x 1,024 tokens. triton_call: the launcher,
     jax_triton.triton_call unless given (the tests give one that runs Triton's interpreter on the CPU)."""
-    if not (len(xs) == len(states) == len(weights)) or not 1 <= len(xs) <= 3:
-        raise ValueError(f"causal_conv: give one to three inputs with a state and a weight each, got {len(xs)} "
-                         f"inputs, {len(states)} states, {len(weights)} weights")
+    _check_counts(xs, states, weights, "states")
     kernel = weights[0].shape[0]
     batch, seq = xs[0].shape[:2]
     flat_x, flat_state, flat_w = [], [], []
@@ -117,7 +121,6 @@ def prefill_convs(xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...], weig
         C2=channels[2], KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c)
     return tuple((out.reshape(x.shape), conv_state(x, state, seq_lens, kernel))
                  for out, x, state in zip(outs, xs, states))
-
 
 
 @triton.jit
@@ -177,9 +180,7 @@ def decode_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weigh
     """`reference_convs` for a decode step (one token a row) in one launch, the caches' rows updated in place
     (donate them in the caller's jit to avoid a copy). Rows must name distinct slots, except padding rows (seq_len
     0), which may share a sink slot whose contents are garbage."""
-    if not (len(xs) == len(caches) == len(weights)) or not 1 <= len(xs) <= 3:
-        raise ValueError(f"causal_conv: give one to three inputs with a cache and a weight each, got {len(xs)} "
-                         f"inputs, {len(caches)} caches, {len(weights)} weights")
+    _check_counts(xs, caches, weights, "caches")
     kernel = weights[0].shape[0]
     batch = xs[0].shape[0]
     flat_x, flat_cache, flat_w = [], [], []
