@@ -9,7 +9,6 @@ timings are printed either way); 2 when there is no GPU and --small was not give
 
 import argparse
 import functools
-import inspect
 import itertools
 import statistics
 import sys
@@ -22,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import gdn_prefill, moe_gemm, paged_attention, router, skinny_matmul
-from pallas_kernels.gdn_decode import gdn_decode, reference
-from qwen_jax.engine import runner
+from pallas_kernels import gdn, gdn_decode, gdn_prefill, moe_gemm, paged_attention, router, skinny_matmul
+from qwen_jax.layers.attention import paged_attention as attention_reference
+from qwen_jax.layers.batch import ragged
+from qwen_jax.layers.gated_deltanet import delta_rule as gdn_reference
 from qwen_jax.layers.mlp import route, sparse_moe
 
 PEAK_TBS = 4.3  # H200 HBM3e
@@ -32,7 +32,7 @@ PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 tensor cores
 # A real indexing or gating bug shows as an error of order 1; float32 rounding as ~1e-6. The slack between: beta is
 # rounded to bf16 (as HF does), and one ulp of difference in the GPU's sigmoid can flip that rounding for a head.
 MAX_REL_ERR = 1e-3
-CONFIGS = [(64, 4), (32, 4), (16, 2), (8, 1)]  # (block_v, num_warps); the first is gdn_decode's default
+CONFIGS = [(64, 4), (32, 4), (16, 2), (8, 1)]  # gdn_decode's (block_v, num_warps); the first is its default
 FULL = dict(batches=(1, 16, 64), nk=16, nv=32, dk=128, dv=128, repeats=50, inner=10)  # Qwen3.5-35B-A3B
 SMALL = dict(batches=(1, 3), nk=2, nv=4, dk=16, dv=16, repeats=3, inner=2)  # CPU interpret-mode smoke test
 
@@ -51,13 +51,17 @@ class Row:
 
 
 def make_inputs(batch: int, nk: int, nv: int, dk: int, dv: int) -> tuple[dict, jax.Array]:
-    """bf16 activations as the model feeds them; slots 1..batch in a shuffled order (slot 0 is never addressed)."""
+    """A decode batch: `batch` one-token requests mid-sequence (a ragged batch of as many tokens and requests), bf16
+    activations as the model feeds them; slots 1..batch in a shuffled order (slot 0 is never addressed). Returns
+    (the op's arguments but ssm, ssm)."""
     keys = jax.random.split(jax.random.key(batch), 8)
     normal = lambda i, shape, scale=1.0: (scale * jax.random.normal(keys[i], shape)).astype(jnp.bfloat16)
+    slots = np.random.default_rng(batch).permutation(batch) + 1
+    requests = ragged([100] * batch, [1] * batch, slots, [[0]] * batch, batch, batch, 1)
     inputs = dict(q=normal(0, (batch, nk, dk), 2.0), k=normal(1, (batch, nk, dk), 2.0), v=normal(2, (batch, nv, dv)),
                   a=normal(3, (batch, nv), 2.0), b=normal(4, (batch, nv), 2.0),
                   A_log=jax.random.normal(keys[5], (nv,)) * 0.7, dt_bias=jax.random.normal(keys[6], (nv,)),
-                  state_slots=jnp.asarray(np.random.default_rng(batch).permutation(batch) + 1, jnp.int32))
+                  batch=jax.tree.map(jnp.asarray, requests))
     state = jax.random.normal(keys[7], (batch + 1, nv, dk, dv), jnp.float32) * 0.1
     return inputs, state
 
@@ -65,7 +69,7 @@ def make_inputs(batch: int, nk: int, nv: int, dk: int, dv: int) -> tuple[dict, j
 def bytes_moved(batch: int, nk: int, nv: int, dk: int, dv: int) -> int:
     state = 2 * batch * nv * dk * dv * 4  # read + write of the addressed float32 state rows
     activations = (2 * batch * nk * dk + batch * nv * dv + 2 * batch * nv) * 2  # bf16 q, k, v, a, b
-    return state + activations + batch * nv * dv * 4 + batch * 4  # + float32 o + int32 slots
+    return state + activations + batch * nv * dv * 4 + batch * 16  # + bf16 o zeroed, then written + the batch's ints
 
 
 def time_step(step: Callable, inputs: dict, state: jax.Array, repeats: int, inner: int) -> tuple[float, float]:
@@ -108,9 +112,9 @@ def reference_on_cpu(inputs: dict, state: jax.Array) -> tuple[np.ndarray, np.nda
         cpu = jax.devices("cpu")[0]
     except RuntimeError:  # JAX_PLATFORMS without cpu: the accelerator at full float32 precision instead
         with jax.default_matmul_precision("highest"):
-            out, new_state = jax.jit(reference)(**inputs, state=state)
+            out, new_state = jax.jit(gdn_reference)(**inputs, ssm=state)
     else:
-        out, new_state = jax.jit(reference)(**jax.device_put(inputs, cpu), state=jax.device_put(state, cpu))
+        out, new_state = jax.jit(gdn_reference)(**jax.device_put(inputs, cpu), ssm=jax.device_put(state, cpu))
     return np.asarray(out), np.asarray(new_state)
 
 
@@ -120,10 +124,10 @@ def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline
     inputs, state = make_inputs(batch, nk, nv, dk, dv)
     moved = bytes_moved(batch, nk, nv, dk, dv)
     want_o, want_state = reference_on_cpu(inputs, state)
-    slots = np.asarray(inputs["state_slots"])
+    slots = np.asarray(inputs["batch"].state_slot)
     rows = []
 
-    ref_step = jax.jit(lambda s, x: reference(**x, state=s), donate_argnums=0)
+    ref_step = jax.jit(lambda s, x: gdn_reference(**x, ssm=s), donate_argnums=0)
     row = Row(batch, "jnp reference (XLA)", "-")
     row.queued_us, row.blocked_us = time_step(ref_step, inputs, jnp.copy(state), repeats, inner)
     row.tbs = moved / row.queued_us / 1e6
@@ -131,13 +135,13 @@ def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline
     print(f"B={batch} reference: {row.queued_us:.1f} us/call queued, {row.blocked_us:.1f} us blocked", flush=True)
 
     for block_v, num_warps in configs:
-        row = Row(batch, "pallas gdn_decode", f"BV={block_v} warps={num_warps}")
+        row = Row(batch, "pallas delta_rule (all launches)", f"BV={block_v} warps={num_warps}")
         rows.append(row)
         if time.perf_counter() > deadline:
             row.note = "skipped: time budget"
             continue
-        step = jax.jit(lambda s, x, bv=block_v, nw=num_warps: gdn_decode(**x, state=s, block_v=bv, num_warps=nw,
-                                                                         interpret=interpret), donate_argnums=0)
+        step = jax.jit(lambda s, x, bv=block_v, nw=num_warps: gdn.delta_rule(
+            **x, ssm=s, decode_block_v=bv, decode_num_warps=nw, interpret=interpret), donate_argnums=0)
         try:
             got_o, got_state = step(jnp.copy(state), inputs)
             row.err_o = rel_err(got_o, want_o)
@@ -149,10 +153,15 @@ def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline
             row.queued_us, row.blocked_us = time_step(step, inputs, jnp.copy(state), repeats, inner)
             row.tbs = moved / row.queued_us / 1e6
             if (block_v, num_warps) == configs[0] and not interpret:
-                kernel = Row(batch, "pallas gdn_decode, GPU kernel time (profiler)", row.config)
-                kernel.queued_us = gpu_us(functools.partial(_step_in_place, step, inputs, {"state": jnp.copy(state)}))
-                kernel.tbs = moved / kernel.queued_us / 1e6
-                rows.append(kernel)
+                # the whole op, and its decode launch alone (the prefill launches' programs all exit at once here)
+                alone = jax.jit(lambda s, x, bv=block_v, nw=num_warps: gdn_decode.decode(
+                    **x, ssm=s, out=jnp.zeros(x["v"].shape, x["v"].dtype), block_v=bv, num_warps=nw),
+                    donate_argnums=0)
+                for impl, fn in (("pallas delta_rule", step), ("pallas gdn_decode alone", alone)):
+                    kernel = Row(batch, f"{impl}, GPU kernel time (profiler)", row.config)
+                    kernel.queued_us = gpu_us(functools.partial(_step_in_place, fn, inputs, {"state": jnp.copy(state)}))
+                    kernel.tbs = moved / kernel.queued_us / 1e6
+                    rows.append(kernel)
         except Exception as e:  # a lowering or compile error: report it and keep going
             row.note = failure_note(e, f"B={batch} {row.config}")
         if row.note:
@@ -419,17 +428,18 @@ PA_MAX_REL_ERR = 2e-2  # bf16 (the reference also rounds its scores to bf16); an
 
 
 def attention_inputs(rows: int, seq: int, context: int, dims: dict) -> tuple:
-    """bf16 q for the last `seq` tokens of a `context`-token sequence per row; every row's pages distinct and
-    shuffled across the cache (page 0, the padding sink, unused)."""
+    """One ragged batch of `rows` requests, each the last `seq` tokens of a `context`-token sequence (bf16 q
+    [rows * seq, heads, D], the requests one after another); every request's pages distinct and shuffled across the
+    cache (page 0, the padding sink, unused)."""
     heads, kv, dim, bs = dims["heads"], dims["kv_heads"], dims["head_dim"], dims["block_size"]
     pages = -(-context // bs)
     keys = jax.random.split(jax.random.key(rows * 7919 + seq), 3)
-    q = jax.random.normal(keys[0], (rows, seq, heads, dim)).astype(jnp.bfloat16)
+    q = jax.random.normal(keys[0], (rows * seq, heads, dim)).astype(jnp.bfloat16)
     k_cache = jax.random.normal(keys[1], (rows * pages + 1, bs, kv, dim)).astype(jnp.bfloat16)
     v_cache = jax.random.normal(keys[2], (rows * pages + 1, bs, kv, dim)).astype(jnp.bfloat16)
-    tables = jnp.asarray(np.random.default_rng(rows).permutation(rows * pages).reshape(rows, pages) + 1, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(context - seq, context, dtype=jnp.int32), (rows, seq))
-    return q, k_cache, v_cache, positions, jnp.full((rows,), context, jnp.int32), tables
+    tables = np.random.default_rng(rows).permutation(rows * pages).reshape(rows, pages) + 1
+    batch = ragged([context - seq] * rows, [seq] * rows, [0] * rows, tables, rows * seq, rows, pages)
+    return q, k_cache, v_cache, jax.tree.map(jnp.asarray, batch)
 
 
 def _pa_line(lines, case, moved, flops, roof, ref_us, impl, config, us, err=float("nan"), note=""):
@@ -449,7 +459,7 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
     cases += [("prefill", rows, context, context) for rows, context in dims["prefill"]]
     for kind, rows, seq, context in cases:
         case = f"{kind} B={rows} ctx={context}" + (f" S={seq}" if seq > 1 else "")
-        q, k_cache, v_cache, positions, context_lens, tables = attention_inputs(rows, seq, context, dims)
+        q, k_cache, v_cache, batch = attention_inputs(rows, seq, context, dims)
         scale = dim ** -0.5
         moved = rows * context * kv * dim * 2 * 2 + 2 * rows * seq * heads * dim * 2
         causal_pairs = seq * (seq + 1) // 2 + seq * (context - seq)  # (query, key) pairs a causal mask keeps
@@ -458,23 +468,23 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
         line = functools.partial(_pa_line, lines, case, moved, flops, roof)
         chain, repeats = dims["chain"], dims["repeats"]
 
-        args = (q, k_cache, v_cache)  # fn(q, k_cache, v_cache)
-        rest = dict(positions=positions, context_lens=context_lens, block_tables=tables, scale=scale)
-        ref = functools.partial(paged_attention.reference, **rest)
+        args = (q, k_cache, v_cache, batch)  # fn(q, k_cache, v_cache, batch); the batch an operand, as in a step
+        ref = functools.partial(attention_reference, scale=scale)
         want = np.asarray(jax.jit(ref)(*args), np.float64)
         ref_us = time_chained(ref, args, chain, repeats)
         line = functools.partial(line, ref_us)
         line("jnp reference (XLA)", "-", ref_us)
 
         if not interpret:  # the dense-attention baseline: cuDNN's fused kernel on K/V already gathered
-            dense_k = k_cache[tables].reshape(rows, -1, kv, dim)[:, :context]
-            dense_v = v_cache[tables].reshape(rows, -1, kv, dim)[:, :context]
+            dense_k = k_cache[batch.block_table].reshape(rows, -1, kv, dim)[:, :context]
+            dense_v = v_cache[batch.block_table].reshape(rows, -1, kv, dim)[:, :context]
+            dense_q = q.reshape(rows, seq, heads, dim)
             cudnn = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=seq > 1,
                                       implementation="cudnn")
             try:
-                err = rel_err(jax.jit(cudnn)(q, dense_k, dense_v), want)
+                err = rel_err(jax.jit(cudnn)(dense_q, dense_k, dense_v).reshape(q.shape), want)
                 line("cuDNN dot_product_attention, dense K/V", "-",
-                     time_chained(cudnn, (q, dense_k, dense_v), chain, repeats), err)
+                     time_chained(cudnn, (dense_q, dense_k, dense_v), chain, repeats), err)
             except Exception as e:  # cuDNN refuses this shape or is not installed
                 line("cuDNN dot_product_attention, dense K/V", "-", float("nan"),
                      note=f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
@@ -486,8 +496,8 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
             if time.perf_counter() > deadline:
                 line("pallas paged_attention", config, float("nan"), note="skipped: time budget")
                 continue
-            fn = functools.partial(paged_attention.paged_attention, **rest, block_m=bm, block_k=bk, num_splits=splits,
-                                   num_warps=warps, num_stages=stages, interpret=interpret)
+            fn = functools.partial(paged_attention.paged_attention, scale=scale, block_m=bm, block_k=bk,
+                                   num_splits=splits, num_warps=warps, num_stages=stages, interpret=interpret)
             try:
                 err = rel_err(jax.jit(fn)(*args), want)
                 note = "" if err < PA_MAX_REL_ERR else f"rel err above {PA_MAX_REL_ERR:g}"
@@ -516,18 +526,23 @@ GP_SMALL_CONFIGS = [(None,) * 4, (16, 16, 4, 2)]
 GP_MAX_REL_ERR = 2e-2
 
 
-def gdn_prefill_inputs(rows: int, seq: int, ragged: bool, dims: dict) -> dict:
-    """bf16 activations as the model feeds them; ragged: seq_lens spread over [1, seq] (shuffled), else all seq."""
+def gdn_prefill_inputs(rows: int, seq: int, spread: bool, dims: dict) -> dict:
+    """The op's arguments for `rows` prompts continuing from their slots (1..rows, shuffled), one after another on a
+    token axis of rows * seq (a step's bucket); spread: lengths over [1, seq] (shuffled; the one-token prompt goes to
+    the decode kernel, the tokens left over are padding), else all seq. bf16 activations as the model feeds them."""
     nk, nv, dk, dv = dims["nk"], dims["nv"], dims["dk"], dims["dv"]
+    tokens = rows * seq
     keys = jax.random.split(jax.random.key(rows * 7919 + seq), 8)
     normal = lambda i, shape, scale=1.0: (scale * jax.random.normal(keys[i], shape)).astype(jnp.bfloat16)
-    lens = np.random.default_rng(rows).permutation(np.linspace(1, seq, rows).astype(np.int32)) if ragged \
+    lens = np.random.default_rng(rows).permutation(np.linspace(1, seq, rows).astype(np.int32)) if spread \
         else np.full(rows, seq, np.int32)
-    return dict(q=normal(0, (rows, seq, nk, dk), 2.0), k=normal(1, (rows, seq, nk, dk), 2.0),
-                v=normal(2, (rows, seq, nv, dv)), a=normal(3, (rows, seq, nv), 2.0), b=normal(4, (rows, seq, nv), 2.0),
+    slots = np.random.default_rng(rows + 1).permutation(rows) + 1
+    batch = ragged([seq] * rows, lens.tolist(), slots, [[0]] * rows, tokens, rows, 1)
+    return dict(q=normal(0, (tokens, nk, dk), 2.0), k=normal(1, (tokens, nk, dk), 2.0), v=normal(2, (tokens, nv, dv)),
+                a=normal(3, (tokens, nv), 2.0), b=normal(4, (tokens, nv), 2.0),
                 A_log=jax.random.normal(keys[5], (nv,)) * 0.7 - 1.0, dt_bias=jax.random.normal(keys[6], (nv,)),
-                state=jax.random.normal(keys[7], (rows, nv, dk, dv), jnp.float32) * 0.1,
-                seq_lens=jnp.asarray(lens, jnp.int32))
+                ssm=jax.random.normal(keys[7], (rows + 1, nv, dk, dv), jnp.float32) * 0.1,
+                batch=jax.tree.map(jnp.asarray, batch))
 
 
 def gdn_prefill_cost(seq_lens: np.ndarray, seq: int, dims: dict, chunk: int = 64) -> tuple[float, float]:
@@ -558,15 +573,15 @@ def _gp_line(lines, case, flops, moved, ref_us, impl, config, us, err_o=float("n
 def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: float, failures: list) -> str:
     lines = [f"| case | impl | config | us/call | TFLOP/s | TB/s | of roofline ({PEAK_TFLOPS:.0f} TFLOP/s, "
              f"{PA_PEAK_TBS} TB/s) | vs reference | rel err out | rel err state | note |", "|---" * 11 + "|"]
-    for rows, seq, ragged in dims["cases"]:
-        inputs = gdn_prefill_inputs(rows, seq, ragged, dims)
-        seq_lens = np.asarray(inputs["seq_lens"])
-        case = f"B={rows} S={seq}" + (f" ragged ({int(seq_lens.sum())} tokens)" if ragged else "")
-        real = np.arange(seq)[None, :] < seq_lens[:, None]
-        args = tuple(inputs.values())  # in the order of the contract: q, k, v, a, b, A_log, dt_bias, state, seq_lens
+    for rows, seq, spread in dims["cases"]:
+        inputs = gdn_prefill_inputs(rows, seq, spread, dims)
+        seq_lens = np.asarray(inputs["batch"].query_len)
+        case = f"B={rows} S={seq}" + (f" ragged ({int(seq_lens.sum())} tokens)" if spread else "")
+        real = np.asarray(inputs["batch"].token_valid)
+        args = tuple(inputs.values())  # in the order of the contract: q, k, v, a, b, A_log, dt_bias, ssm, batch
         with jax.default_matmul_precision("highest"):  # what the kernel is held to: float32 throughout
-            want_o, want_state = map(np.asarray, jax.jit(gdn_prefill.reference)(*args))
-        ref_us = time_call(jax.jit(gdn_prefill.reference), args, dims["repeats"], dims["inner"])
+            want_o, want_state = map(np.asarray, jax.jit(gdn_reference)(*args))
+        ref_us = time_call(jax.jit(gdn_reference), args, dims["repeats"], dims["inner"])
         _gp_line(lines, case, *gdn_prefill_cost(seq_lens, seq, dims), ref_us, "jnp reference (XLA)", "-", ref_us)
         for chunk, block_v, warps, stages in configs:
             defaults = gdn_prefill.default_tiles(rows, dims["dv"])
@@ -574,11 +589,11 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
             line = functools.partial(_gp_line, lines, case, *cost, ref_us)
             config = "defaults" if chunk is None else f"C={chunk} BV={block_v} w={warps} s={stages}"
             if time.perf_counter() > deadline:
-                line("pallas gdn_prefill", config, float("nan"), note="skipped: time budget")
+                line("pallas gdn delta_rule", config, float("nan"), note="skipped: time budget")
                 continue
             options = {} if chunk is None else dict(chunk_size=chunk, block_v=block_v, num_warps=warps,
                                                     num_stages=stages)
-            fn = jax.jit(functools.partial(gdn_prefill.gdn_prefill, **options, interpret=interpret))
+            fn = jax.jit(functools.partial(gdn.delta_rule, **options, interpret=interpret))
             try:
                 got_o, got_state = map(np.asarray, fn(*args))
                 err_o, err_state = rel_err(got_o[real], want_o[real]), rel_err(got_state, want_state)
@@ -586,10 +601,10 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
                 if got_o[~real].any() or not np.isfinite(got_o).all():
                     note = "padding outputs not 0 or outputs not finite"
                 us = time_call(fn, args, dims["repeats"], dims["inner"])
-                line("pallas gdn_prefill", config, us, err_o, err_state, note)
+                line("pallas gdn delta_rule", config, us, err_o, err_state, note)
             except Exception as e:  # a lowering or compile error: report it and keep going
                 note = failure_note(e, f"gdn_prefill {case} {config}")
-                line("pallas gdn_prefill", config, float("nan"), note=note)
+                line("pallas gdn delta_rule", config, float("nan"), note=note)
             if note:
                 failures.append(f"gdn_prefill {case} {config}: {note}")
         if time.perf_counter() < deadline:
@@ -600,19 +615,15 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
 
 def gdn_prefill_stages(args: tuple, dims: dict, interpret: bool) -> dict:
     """Microseconds of each of gdn_prefill's two launches alone, at its defaults (`default_tiles`)."""
-    q, k, v, a, b, A_log, dt_bias, state, seq_lens = args
-    tiles = gdn_prefill.default_tiles(q.shape[0], dims["dv"])
-    num_warps = inspect.signature(gdn_prefill.gdn_prefill).parameters["num_warps"].default
-    config = dict(chunk_size=tiles["chunk_size"], num_warps=num_warps, num_stages=tiles["num_stages"],
-                  interpret=interpret)
-    seq_lens = jnp.minimum(seq_lens, q.shape[1])
+    q, k, v, a, b, A_log, dt_bias, ssm, batch = args
+    config = gdn_prefill.launch_config(q, v, batch.query_len.shape[0], interpret=interpret)
+    block_v = config.pop("block_v")
     timed = lambda fn, *inputs: time_call(fn, inputs, dims["repeats"], dims["inner"])
     prepare = jax.jit(functools.partial(gdn_prefill.prepare_chunks, **config))
-    prepared = prepare(q, k, v, a, b, A_log, dt_bias, seq_lens)
-    recurrence = jax.jit(functools.partial(gdn_prefill.recurrence, block_v=tiles["block_v"], out_dtype=v.dtype,
-                                           **config))
-    return {"gdn_prefill_prepare": timed(prepare, q, k, v, a, b, A_log, dt_bias, seq_lens),
-            "gdn_prefill_recurrence": timed(recurrence, q, *prepared, state, seq_lens)}
+    prepared = prepare(q, k, v, a, b, A_log, dt_bias, batch)
+    recurrence = jax.jit(functools.partial(gdn_prefill.recurrence, block_v=block_v, **config))
+    return {"gdn_prefill_prepare": timed(prepare, q, k, v, a, b, A_log, dt_bias, batch),
+            "gdn_prefill_recurrence": timed(recurrence, q, *prepared, ssm, batch, jnp.zeros(v.shape, v.dtype))}
 
 
 # ---- one-row projections ---------------------------------------------------------------------------------------
@@ -713,9 +724,12 @@ def conv_inputs(seed: int, shapes: list, scale: float) -> tuple:
 
 
 def bench_causal_conv(shapes: tuple, failures: list) -> str:
-    """The GDN layer's three causal convs of a prefill, then of decode steps on their state slots: XLA's fusions of
-    the reference (compiled as the engine does) against the one-launch kernels, GPU time from the profiler; the
-    kernels must equal the reference bitwise. Native Triton (jax-triton): nothing to time without a GPU."""
+    """The GDN layer's three causal convs on their state slots (caches donated, as the engine runs the op) over
+    ragged batches: prefills of `shapes` (rows x tokens a row; the last row a third as long, then padding tokens;
+    every row a chunk after 64 tokens already in, its state read from its slot), then decode steps of CONV_DECODE
+    rows (every fourth a one-token prompt). XLA's fusions of the reference (compiled as the engine compiles) against
+    the kernels' two launches, GPU time from the profiler; the kernels must equal the reference bitwise (the real
+    tokens' outputs, every cache slot). Native Triton (jax-triton): nothing to time without a GPU."""
     from pallas_kernels.moe_gemm import triton_available
 
     lines = ["| rows x tokens | MB read + written | XLA us | kernel us | TB/s | of 4.3 TB/s | vs XLA | bitwise "
@@ -723,57 +737,42 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
     if not triton_available():
         return "\n".join(lines + ["| - | - | - | - | - | - | - | - | skipped: needs a GPU with jax-triton |"])
     from pallas_kernels import causal_conv
+    from qwen_jax.layers.batch import ragged
+    from qwen_jax.layers.gated_deltanet import causal_convs
 
-    xla = jax.jit(lambda xs, states, weights, lens: tuple(causal_conv.reference(x, state, w, lens) for x, state, w
-                                                          in zip(xs, states, weights)), compiler_options=runner.EXACT)
-    kernel = jax.jit(causal_conv.prefill_convs)
-    for rows, seq in shapes:
-        xs = conv_inputs(3 * rows * seq, [(rows, seq) + c for c in CONV_CHANNELS], 1.0)
-        states = conv_inputs(3 * rows * seq + 1, [(rows, 3) + c for c in CONV_CHANNELS], 1.0)
-        weights = conv_inputs(3 * rows * seq + 2, [(4,) + c for c in CONV_CHANNELS], 0.5)
-        lens = jnp.full((rows,), seq, jnp.int32).at[-1].set(max(1, seq // 3))  # one ragged row
-        args, label, note = (xs, states, weights, lens), f"{rows} x {seq}", ""
+    exact = {"xla_allow_excess_precision": False}  # as the engine compiles: every bf16 rounding kept
+    xla = jax.jit(causal_convs, compiler_options=exact, donate_argnums=(1,))
+    kernel = jax.jit(causal_conv.causal_convs, donate_argnums=(1,))
+    cases = [(f"{rows} x {seq}", [64] * rows, [seq] * (rows - 1) + [max(1, seq // 3)], rows * seq)
+             for rows, seq in shapes]
+    cases += [(f"decode B={rows}", [0 if i % 4 == 1 else 100 + i for i in range(rows)], [1] * rows, rows)
+              for rows in (CONV_DECODE if shapes else ())]
+    for label, starts, lens, tokens in cases:
+        rows = len(lens)
+        batch = jax.tree.map(jnp.asarray, ragged(starts, lens, range(rows, 0, -1), [[0]] * rows, tokens, rows, 1))
+        xs = conv_inputs(3 * tokens + rows, [(tokens,) + c for c in CONV_CHANNELS], 1.0)
+        caches = conv_inputs(3 * tokens + rows + 1, [(rows + 1, 3) + c for c in CONV_CHANNELS], 1.0)
+        weights = conv_inputs(3 * tokens + rows + 2, [(4,) + c for c in CONV_CHANNELS], 0.5)
+        note = ""
         try:
-            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(xla(*args)),
-                                                                   jax.tree.leaves(kernel(*args))))
-            note = "" if same else "differs from the reference"
-            xla_us, us = gpu_us(functools.partial(xla, *args)), gpu_us(functools.partial(kernel, *args))
-        except Exception as e:  # a lowering or compile error: report it and keep going
-            same, xla_us, us = False, float("nan"), float("nan")
-            note = failure_note(e, f"causal_conv {label}")
-        if note:
-            failures.append(f"causal_conv {label}: {note}")
-        mb = 2 * sum(x.size for x in xs) * 2 / 1e6  # bf16 in and out; the K taps re-read their inputs from L1
-        lines.append(f"| {label} | {mb:.0f} | {xla_us:.1f} | {us:.1f} | {mb / us:.2f} | {mb / us / PEAK_TBS:.0%} "
-                     f"| {xla_us / us:.2f}x | {same} | {note} |")
-        print(lines[-1], flush=True)
-    # decode steps: the op on the state slots (caches donated, as the engine runs it), XLA's gathers, convs and
-    # scatters against the one in-place launch
-    xla = jax.jit(causal_conv.reference_convs, compiler_options=runner.EXACT, donate_argnums=(1,))
-    kernel = jax.jit(causal_conv.decode_convs, donate_argnums=(1,))
-    for rows in CONV_DECODE if shapes else ():
-        xs = conv_inputs(rows, [(rows, 1) + c for c in CONV_CHANNELS], 1.0)
-        caches = conv_inputs(rows + 1, [(2 * rows + 1, 3) + c for c in CONV_CHANNELS], 1.0)
-        weights = conv_inputs(rows + 2, [(4,) + c for c in CONV_CHANNELS], 0.5)
-        slots, fresh = jnp.arange(1, rows + 1, dtype=jnp.int32)[::-1], jnp.arange(rows) % 4 == 1
-        lens = jnp.ones(rows, jnp.int32)
-        label, note = f"decode B={rows}", ""
-        try:
-            want = xla(xs, tuple(jnp.array(c) for c in caches), weights, slots, fresh, lens)
-            got = kernel(xs, tuple(jnp.array(c) for c in caches), weights, slots, fresh, lens)
-            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
+            want = xla(xs, tuple(jnp.array(c) for c in caches), weights, batch)
+            got = kernel(xs, tuple(jnp.array(c) for c in caches), weights, batch)
+            valid = batch.token_valid  # padding tokens: garbage in the reference, 0 from the kernels
+            same = all(bool(jnp.array_equal(a[valid], b[valid])) for a, b in zip(want[0], got[0], strict=True)) \
+                and all(bool(jnp.array_equal(a, b)) for a, b in zip(want[1], got[1], strict=True))
             note = "" if same else "differs from the reference"
             # each call donates the caches the last one returned
             xla_us, us = (gpu_us(functools.partial(
-                _step_in_place, lambda caches, args, f=f: f(args[0], caches, *args[1:]),
-                (xs, weights, slots, fresh, lens), {"state": tuple(jnp.array(c) for c in caches)}))
-                for f in (xla, kernel))
+                _step_in_place, lambda caches, args, f=f: f(args[0], caches, *args[1:]), (xs, weights, batch),
+                {"state": tuple(jnp.array(c) for c in caches)})) for f in (xla, kernel))
         except Exception as e:  # a lowering or compile error: report it and keep going
             same, xla_us, us = False, float("nan"), float("nan")
             note = failure_note(e, f"causal_conv {label}")
         if note:
             failures.append(f"causal_conv {label}: {note}")
-        mb = 8 * sum(x.size for x in xs) * 2 / 1e6  # x in, out; K - 1 state rows read and written
+        # bf16 x in and out (the K taps re-read their inputs from L1); a decode row also reads and writes its K - 1
+        # state rows
+        mb = (8 if max(lens) == 1 else 2) * sum(x.size for x in xs) * 2 / 1e6
         lines.append(f"| {label} | {mb:.2f} | {xla_us:.1f} | {us:.1f} | {mb / us:.2f} | {mb / us / PEAK_TBS:.0%} "
                      f"| {xla_us / us:.2f}x | {same} | {note} |")
         print(lines[-1], flush=True)
@@ -831,8 +830,8 @@ def main(argv: list[str] | None = None) -> int:
               f"\n\n{text}\n")
     if args.only in (None, "gdn_prefill"):
         dims, gp_start = GP_SMALL if args.small else GP_FULL, time.perf_counter()
-        print(f"\ngdn_prefill: nk={dims['nk']} nv={dims['nv']} dk={dims['dk']} dv={dims['dv']}, bf16 in, float32 "
-              "out and state (not donated: the kernel's in-place update costs a copy of it); us/call = median of "
+        print(f"\ngdn_prefill: nk={dims['nk']} nv={dims['nv']} dk={dims['dk']} dv={dims['dv']}, bf16 in and "
+              "out, float32 state (not donated: the kernel's in-place update costs a copy of it); us/call = median of "
               f"{dims['repeats']} x ({dims['inner']} calls queued, then block); roofline = max(FLOPs / peak, "
               "bytes / HBM)", flush=True)
         configs = GP_SMALL_CONFIGS if args.small else GP_CONFIGS

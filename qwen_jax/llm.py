@@ -1,28 +1,26 @@
 """The public API: LLM (offline, batched generate and chat) and AsyncLLM (per-request streams for the server).
 
-Both drive one LLMEngine; AsyncLLM runs it on a dedicated thread so the event loop never blocks on device work.
+LLM runs the engine core in the caller's process; AsyncLLM runs it in a process of its own (engine/core_client.py)
+and keeps the front here: tokenizer, validation, detokenization, stop strings and one asyncio queue per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
-import threading
 from collections.abc import AsyncIterator, Sequence
 
-import jax
-
 from qwen_jax.config import ModelConfig
-from qwen_jax.engine.llm_engine import (
-    ENGINE_ARGS,
-    LLMEngine,
+from qwen_jax.engine.core import ENGINE_ARGS, EngineCore, check_request, engine_args
+from qwen_jax.engine.core_client import CoreProcess
+from qwen_jax.engine.model_files import (
     eos_ids,
     load_tokenizer,
     read_model_config,
     resolve_max_model_len,
     resolve_model,
 )
+from qwen_jax.engine.output import OutputProcessor, RequestFailed
 from qwen_jax.outputs import RequestOutput
 from qwen_jax.sampling_params import SamplingParams
 
@@ -45,8 +43,10 @@ class LLM:
     """Offline generation: `LLM(model_dir, **engine_args).generate(prompts, SamplingParams(...))`."""
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(model, **engine_args)
-        self.tokenizer = self.engine.tokenizer
+        path = resolve_model(model)
+        self.engine = EngineCore(path, **engine_args)
+        self.tokenizer = load_tokenizer(path)
+        self.output = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
@@ -59,13 +59,17 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         ids = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p in zip(prompts, params_list, strict=True):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, _prompt_ids(self.tokenizer, prompt), p)
+            prompt_ids = _prompt_ids(self.tokenizer, prompt)
+            self.engine.add_request(rid, prompt_ids, p)
+            self.output.add(rid, prompt_ids, p)
             ids.append(rid)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished:
-            for out in self.engine.step():
+            results, ended = self.output.process(self.engine.step())
+            self.engine.abort(ended)
+            for out in results:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
@@ -81,131 +85,119 @@ class LLM:
         return self.generate(ids, sampling_params)
 
 
+class EngineDead(RuntimeError):
+    """The engine core process failed: no request can be served any more."""
+
+
 class AsyncLLM:
-    """An engine thread plus one asyncio queue per request. Construct with from_engine_args, then `await start()`."""
+    """The server's engine: the core in its own process, one asyncio queue per request here. Construct with
+    from_engine_args, then `await start()`."""
 
     def __init__(self, model_path: str, engine_args: dict, warmup: str = "auto"):
-        """warmup: "minimal" compiles a one-row prefill and decode before serving; "full" every padded shape a step
-        can take (runner.step_shapes: decode batch sizes up to max_num_seqs, prefill rows x lengths up to the token
-        budget), since a shape first met while serving stalls every running request while it compiles; "auto" is
-        "full" on accelerators and "minimal" on the CPU."""
+        """warmup: "minimal" compiles the smallest and largest step before serving; "full" every token bucket (a
+        shape first met while serving stalls every running request while it compiles); "auto" is "full" on
+        accelerators and "minimal" on the CPU."""
         if warmup not in ("auto", "minimal", "full"):
             raise ValueError(f"warmup must be 'auto', 'minimal' or 'full', not {warmup!r}")
         self.model_path = model_path
         self.engine_args = engine_args
         self.warmup = warmup
         self.tokenizer = load_tokenizer(model_path)
-        # Known before start() (the server validates requests with them): the engine computes the same values.
-        self._config = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]))
-        self._max_model_len = resolve_max_model_len(self._config, engine_args.get("max_model_len"))
-        self._eos_token_ids = eos_ids(model_path, self._config, self.tokenizer)
+        # Read from the model files here, without a device: the core computes the same values.
+        self.config: ModelConfig = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]))
+        self.max_model_len = resolve_max_model_len(self.config, engine_args.get("max_model_len"))
+        self.eos_token_ids = eos_ids(model_path, self.config, self.tokenizer)
         self.model_name = model_path.rstrip("/").split("/")[-1]
-        self.engine: LLMEngine | None = None
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self.output = OutputProcessor(self.tokenizer)
+        self.error: str | None = None
+        self._core: CoreProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._wake = threading.Event()
-        self._ready = False
+        self._ready: asyncio.Future | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
         self._stats: dict = {}
-        self.error: BaseException | None = None
+        self._on_dead = None
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, warmup: str = "auto", **engine_args) -> AsyncLLM:
-        unknown = set(engine_args) - set(ENGINE_ARGS)
-        if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        return cls(resolve_model(model), engine_args, warmup)
+    def from_engine_args(cls, model: str | None = None, warmup: str = "auto", **given) -> AsyncLLM:
+        engine_args(given)  # unknown names fail here, not in the core process
+        return cls(resolve_model(model), given, warmup)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len if self.engine else self._max_model_len
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return self.engine.eos_token_ids if self.engine else self._eos_token_ids
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.engine.cfg if self.engine else self._config
+    def on_dead(self, callback) -> None:
+        """`callback(reason)` runs on the event loop once if the engine core dies while serving."""
+        self._on_dead = callback
 
     async def start(self) -> None:
-        """Load the model and compile the common step shapes off the event loop, then start the engine thread."""
+        """Start the core process (load, compile) and wait until it serves."""
         self._loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(self._build)
-        self._stats = self.engine.stats()
-        self._thread = threading.Thread(target=self._run, name="qwen-jax-engine", daemon=True)
-        self._thread.start()
-        self._ready = True
+        self._ready = self._loop.create_future()
+        self._core = CoreProcess(self.model_path, self.engine_args, self.warmup, self._on_message)
+        info = await self._ready
+        self._stats = info["stats"]
 
-    def _build(self) -> LLMEngine:
-        engine = LLMEngine(self.model_path, **self.engine_args)
-        engine.warmup(full=self.warmup == "full" or (self.warmup == "auto" and jax.default_backend() != "cpu"))
-        return engine
+    def _on_message(self, message: tuple) -> None:
+        """On the core reader thread: turn outputs into RequestOutputs here (detokenizing off the event loop), then
+        hand them to the loop in one callback."""
+        kind = message[0]
+        if kind == "outputs":
+            _, outputs, stats = message
+            results, ended = self.output.process(outputs)
+            self._loop.call_soon_threadsafe(self._deliver, results, ended, stats)
+        elif kind == "ready":
+            self._loop.call_soon_threadsafe(self._ready.set_result, message[1])
+        elif kind == "failed":
+            self._loop.call_soon_threadsafe(self._fail, message[1])
+
+    def _deliver(self, results: list, ended: list[str], stats: dict) -> None:
+        self._stats = stats
+        if ended:
+            self._core.send(("abort", ended))
+        for item in results:
+            rid = item[0] if isinstance(item, tuple) else item.request_id
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put_nowait(item[1] if isinstance(item, tuple) else item)
+
+    def _fail(self, reason: str) -> None:
+        first = self.error is None
+        if first:
+            lines = reason.strip().splitlines()
+            self.error = lines[-1] if lines else "the engine core failed"
+        if not self._ready.done():
+            self._ready.set_exception(EngineDead(f"the engine core failed to start: {self.error}"))
+            return
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDead(f"the engine core died: {self.error}"))
+        if first and self._on_dead is not None:
+            self._on_dead(self.error)
 
     def is_ready(self) -> bool:
-        return self._ready and self.error is None
+        return self._ready is not None and self._ready.done() and not self._ready.exception() and self.error is None
 
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping.is_set():
-                while True:
-                    try:
-                        kind, rid, payload = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    if kind == "add":
-                        try:
-                            engine.add_request(rid, *payload)
-                        except ValueError as exc:  # this request's problem only: the engine state is untouched
-                            self._emit_to(rid, exc)
-                    else:
-                        out = engine.abort(rid)
-                        if out is not None:
-                            self._emit(out)
-                self._stats = engine.stats()
-                if not engine.has_unfinished:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                for out in engine.step():
-                    self._emit(out)
-        except BaseException as exc:  # surface engine failures to every waiting request instead of hanging
-            self.error = exc
-            for rid in list(self._streams):
-                self._loop.call_soon_threadsafe(self._streams[rid].put_nowait, exc)
-            raise
-
-    def _emit(self, out: RequestOutput) -> None:
-        self._emit_to(out.request_id, out)
-
-    def _emit_to(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        check_request(prompt_token_ids, params, self.config.vocab_size, self.max_model_len)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
         if not self.is_ready():
-            raise RuntimeError(f"engine is not running: {self.error!r}" if self.error else "engine is not started")
+            raise EngineDead(f"the engine core died: {self.error}" if self.error else "the engine is not started")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.engine.validate(prompt_token_ids, params)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.validate(prompt_token_ids, params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, (list(prompt_token_ids), params)))
-        self._wake.set()
+        self.output.add(request_id, prompt_token_ids, params)
+        self._core.send(("add", request_id, prompt_token_ids, params))
         finished = False
         try:
             while True:
                 item = await stream.get()
-                if isinstance(item, ValueError):  # the request was refused; nothing else is affected
+                if isinstance(item, RequestFailed):  # the core refused this request; nothing else is affected
+                    finished = True
+                    raise ValueError(str(item))
+                if isinstance(item, BaseException):
                     finished = True
                     raise item
-                if isinstance(item, BaseException):
-                    raise RuntimeError(f"engine failed: {item!r}") from item
                 finished = item.finished
                 yield item
                 if finished:
@@ -213,26 +205,19 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id, None))
-                self._wake.set()
+                await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
-        self._wake.set()
+        if self._core is not None and self.error is None:
+            self._core.send(("abort", [request_id]))
 
     def stats(self) -> dict:
-        """The engine's counters as of its last loop iteration (taken on the engine thread, so never torn)."""
+        """The engine's counters as of its last message (sent with every step's outputs, or twice a second)."""
         return self._stats
 
     async def shutdown(self) -> None:
-        """Abort what is still running, then stop the engine thread (and, on several hosts, the followers)."""
+        """Abort what is still running, then stop the core process (and, on several hosts, the followers)."""
         for rid in list(self._streams):
             await self.abort(rid)
-        await asyncio.sleep(0.1)
-        self._stopping.set()
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10)
-        if self.engine is not None:
-            self.engine.shutdown()
-        self._ready = False
+        if self._core is not None:
+            await asyncio.to_thread(self._core.close)

@@ -67,5 +67,9 @@ class SamplingParams:
             fail(f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return float(self.temperature) == 0.0

@@ -1,11 +1,15 @@
-"""The GDN causal conv kernels (pallas_kernels/causal_conv.py) on a GPU over random shapes (the CPU tests run the same
-kernels under Triton's interpreter, in float32 only): the layers' `conv` op on the kernels against its jnp reference,
-both compiled as the engine compiles (every bf16 rounding kept), must agree bitwise. Prefill cases: ragged lengths
-(rows of 0 to S tokens), odd batch sizes, one to three inputs, channels that do not fill a tile, fresh rows; decode
-cases: slots out of order, fresh rows, padding rows (seq_len 0) on a shared sink slot, every other slot checked
-untouched. Prints one JSON line a case and exits non-zero on any failure.
+"""The GDN causal conv kernels (pallas_kernels/causal_conv.py) on a GPU over random ragged batches (the CPU tests run
+the same kernels under Triton's interpreter, in float32 only): the kernels against the layers' `conv` op reference
+(qwen_jax.layers.gated_deltanet.causal_convs), both compiled as the engine compiles (every bf16 rounding kept), caches
+donated. The real tokens' outputs and every cache slot must agree bitwise, padding tokens' outputs be 0, and the
+compiled kernels copy no cache (they update it in place).
+Cases: decode rows and prefill chunks mixed (chunks mid-sequence, fresh prompts, one-token prompts, requests shorter
+than the conv's state), requests shuffled on the token axis between padding tokens, padding requests, slots out of
+order, one to three inputs, channel counts that do not fill a tile, bf16 and float32; every third case a decode step.
+Prints one JSON line a case and exits non-zero on any failure.
 Usage (GPU with jax-triton): python3 scripts/check_causal_conv_gpu.py"""
 import json
+import re
 import sys
 
 import jax
@@ -13,35 +17,90 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import causal_conv
-from qwen_jax.engine.runner import EXACT  # compiled as the engine compiles: every bf16 rounding kept
+from qwen_jax.layers.batch import Ragged
+from qwen_jax.layers.gated_deltanet import causal_convs
 
-reference = jax.jit(causal_conv.reference_convs, compiler_options=EXACT)
-kernel = jax.jit(causal_conv.causal_convs)
-rng = np.random.default_rng(0)
-bad = 0
-for case in range(30):
-    decode = case % 2 == 1
-    batch = int(rng.integers(1, 70 if decode else 9))
-    seq = 1 if decode else int(rng.integers(2, 700))
-    shapes = [(int(rng.choice([2, 16])), int(rng.choice([24, 128]))) for _ in range(int(rng.integers(1, 4)))]
-    num_slots = 2 * batch + 1
-    normal = lambda shape, scale=1.0: jnp.asarray(scale * rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
-    xs = tuple(normal((batch, seq) + s) for s in shapes)
-    caches = tuple(normal((num_slots, 3) + s) for s in shapes)
-    weights = tuple(normal((4,) + s, 0.5) for s in shapes)
-    slots = rng.permutation(np.arange(1, num_slots))[:batch]
-    lens = rng.integers(0, seq + 1, batch) if not decode else (rng.random(batch) < 0.85).astype(np.int64)
-    slots = np.where(lens == 0, 0, slots) if decode else slots  # decode padding rows share the sink, slot 0
-    fresh = rng.random(batch) < 0.3
-    args = (xs, caches, weights, jnp.asarray(slots, jnp.int32), jnp.asarray(fresh), jnp.asarray(lens, jnp.int32))
-    want, got = reference(*args), kernel(*args)
-    keep = np.ones(num_slots, bool)
-    keep[0] = not decode or bool(np.all(lens > 0))  # the sink's contents are garbage when padding rows write it
-    ok = all(np.array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32)) for g, w in zip(got[0], want[0]))
-    ok &= all(np.array_equal(np.asarray(g, np.float32)[keep], np.asarray(w, np.float32)[keep])
-              for g, w in zip(got[1], want[1]))
-    bad += not ok
-    print(json.dumps(dict(case=case, decode=decode, batch=batch, seq=seq, inputs=len(shapes), shapes=shapes,
-                          bitwise=bool(ok))), flush=True)
-print(json.dumps(dict(cases=30, failures=bad)))
-sys.exit(1 if bad else 0)
+EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles: every bf16 rounding kept
+CASES = 30
+
+
+def shuffled_batch(rng, requests, num_tokens, num_requests) -> Ragged:
+    """A Ragged of `requests` ((start position, new tokens, slot) each) at random request indices among
+    `num_requests` (the others padding requests), laid out on the token axis in another random order, with padding
+    tokens before, between and after them."""
+    count, total = len(requests), sum(n for _, n, _ in requests)
+    index = rng.permutation(num_requests)[:count]
+    gaps = rng.multinomial(num_tokens - total, np.full(count + 1, 1 / (count + 1)))
+    query_start, query_len, context_len, state_slot = (np.zeros(num_requests, np.int32) for _ in range(4))
+    fresh = np.zeros(num_requests, bool)
+    positions, token_request = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
+    token_valid = np.zeros(num_tokens, bool)
+    at = 0
+    for gap, i in zip(gaps, rng.permutation(count)):
+        start, n, slot = requests[i]
+        r, at = index[i], at + gap
+        query_start[r], query_len[r], context_len[r], state_slot[r], fresh[r] = at, n, start + n, slot, start == 0
+        token_request[at:at + n], positions[at:at + n], token_valid[at:at + n] = r, start + np.arange(n), True
+        at += n
+    return Ragged(positions=positions, token_request=token_request, token_valid=token_valid, query_start=query_start,
+                  query_len=query_len, context_len=context_len, state_slot=state_slot, fresh=fresh,
+                  block_table=np.zeros((num_requests, 1), np.int32))
+
+
+def cache_copies(hlo: str, sizes: set[int]) -> list[str]:
+    """The copy instructions of compiled HLO text whose element count is one of `sizes` (the caches')."""
+    found = []
+    for line in hlo.splitlines():
+        match = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
+        if match and int(np.prod([int(d) for d in match.group(1).split(",") if d])) in sizes:
+            found.append(line.strip()[:160])
+    return found
+
+
+def main() -> int:
+    reference = jax.jit(causal_convs, compiler_options=EXACT, donate_argnums=(1,))
+    kernel = jax.jit(causal_conv.causal_convs, donate_argnums=(1,))
+    rng = np.random.default_rng(0)
+    bad = 0
+    for case in range(CASES):
+        decode = case % 3 == 0
+        count = int(rng.integers(1, 70 if decode else 10))
+        if decode:
+            lens = [1] * count
+        else:  # one token, shorter than the state (2-3), or a chunk of up to 700
+            lens = [int(rng.choice([1, int(rng.integers(2, 4)), int(rng.integers(4, 700))])) for _ in range(count)]
+        starts = [0 if rng.random() < 0.3 else int(rng.integers(1, 2000)) for _ in range(count)]
+        num_slots = 2 * count + 1
+        slots = rng.permutation(np.arange(1, num_slots))[:count]  # slot 0: the padding requests' sink
+        num_tokens = sum(lens) + int(rng.integers(0, 20))
+        num_requests = count + int(rng.integers(0, 4))
+        batch = shuffled_batch(rng, list(zip(starts, lens, slots.tolist())), num_tokens, num_requests)
+        dtype = jnp.float32 if case % 5 == 4 else jnp.bfloat16
+        shapes = [(int(rng.choice([2, 16])), int(rng.choice([24, 128]))) for _ in range(int(rng.integers(1, 4)))]
+        normal = lambda shape, scale=1.0, dtype=dtype: jnp.asarray(scale * rng.standard_normal(shape), dtype)  # noqa: E731
+        xs = tuple(normal((num_tokens,) + s) for s in shapes)
+        caches = tuple(normal((num_slots, 3) + s) for s in shapes)
+        weights = tuple(normal((4,) + s, 0.5) for s in shapes)
+        batch = jax.tree.map(jnp.asarray, batch)
+        want = reference(xs, tuple(jnp.array(c) for c in caches), weights, batch)
+        compiled = kernel.lower(xs, caches, weights, batch).compile()
+        got = compiled(xs, tuple(jnp.array(c) for c in caches), weights, batch)
+        valid = np.asarray(batch.token_valid)
+        ok = all(np.array_equal(np.asarray(g, np.float32)[valid], np.asarray(w, np.float32)[valid])
+                 for g, w in zip(got[0], want[0]))
+        zeros = all(not np.asarray(g, np.float32)[~valid].any() for g in got[0])
+        same_caches = all(np.array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+                          for g, w in zip(got[1], want[1]))
+        copies = cache_copies(compiled.as_text(), {c.size for c in caches})
+        good = ok and zeros and same_caches and not copies
+        bad += not good
+        print(json.dumps(dict(case=case, decode=decode, requests=count, tokens=num_tokens, lens=lens[:12],
+                              dtype=jnp.dtype(dtype).name, inputs=len(shapes), shapes=shapes, outputs_bitwise=ok,
+                              padding_zero=zeros, caches_bitwise=same_caches, cache_copies=copies, ok=good)),
+              flush=True)
+    print(json.dumps(dict(cases=CASES, failures=bad)))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

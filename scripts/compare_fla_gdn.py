@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 
-from pallas_kernels import bench, gdn_prefill
+from pallas_kernels import bench, gdn
 
 CASES = ((1, 2048), (1, 4096), (8, 1024), (64, 1024))  # (prompts, tokens each), 35B-A3B shapes (bench.GP_FULL)
 
@@ -23,19 +23,23 @@ CASES = ((1, 2048), (1, 4096), (8, 1024), (64, 1024))  # (prompts, tokens each),
 def ours(cases: tuple) -> dict:
     import jax
 
-    run = jax.jit(gdn_prefill.gdn_prefill)
+    run = jax.jit(gdn.delta_rule)
     result = {}
     for rows, seq in cases:
-        args = tuple(bench.gdn_prefill_inputs(rows, seq, False, bench.GP_FULL).values())
-        out, state = map(np.asarray, run(*args))
-        result[(rows, seq)] = dict(us=bench.gpu_us(lambda args=args: run(*args)), out=out, state=state)
+        inputs = bench.gdn_prefill_inputs(rows, seq, False, bench.GP_FULL)
+        args = tuple(inputs.values())
+        out, ssm = map(np.asarray, run(*args))
+        slots = np.asarray(inputs["batch"].state_slot)  # the prompts' slots, in order
+        result[(rows, seq)] = dict(us=bench.gpu_us(lambda args=args: run(*args)),
+                                   out=out.reshape(rows, seq, *out.shape[1:]), state=ssm[slots])
     return result
 
 
 def fla(rows: int, seq: int) -> dict:
     """fla's chunk_gated_delta_rule on bench.gdn_prefill_inputs(rows, seq): gates and beta formed as the model
     does (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), q/k L2-normed in the kernel, prompts packed
-    with cu_seqlens. GPU time: torch's profiler, the kernels of 5 calls summed, divided by 5."""
+    with cu_seqlens (as on our token axis), each from its slot's state. GPU time: torch's profiler, the kernels of
+    5 calls summed, divided by 5."""
     import torch
     import torch.nn.functional as F
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -50,7 +54,7 @@ def fla(rows: int, seq: int) -> dict:
     a, b = (cuda(inputs[name], torch.float32).reshape(1, tokens, nv) for name in ("a", "b"))
     g = -torch.exp(cuda(inputs["A_log"], torch.float32)) * F.softplus(a + cuda(inputs["dt_bias"], torch.float32))
     beta = torch.sigmoid(b).to(torch.bfloat16)
-    state = cuda(inputs["state"], torch.float32)
+    state = cuda(inputs["ssm"][inputs["batch"].state_slot], torch.float32)
     cu_seqlens = torch.arange(0, rows + 1, device="cuda", dtype=torch.long) * seq if rows > 1 else None
 
     def call():

@@ -46,14 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=("reference", "gpu"), default=None,
                    help="hot ops as jnp references or as the Pallas GPU kernels of pallas_kernels/")
     p.add_argument("--warmup", choices=("auto", "minimal", "full"), default="auto",
-                   help="step shapes compiled before /health turns 200: 'full' compiles every decode batch size up to "
-                        "--max-num-seqs (auto: full on a GPU, minimal on the CPU)")
-    p.add_argument("--layers-per-program", type=int, default=None,
-                   help="consecutive decoder layers per compiled program (0: all in one): fewer dispatches, "
-                        "longer compiles")
-    p.add_argument("--cuda-graph-max-batch", type=int, default=None,
-                   help="decode batches of up to this many rows run all layers as one program, launched as CUDA "
-                        "graphs (default: 8 on a GPU, 0 elsewhere); each such batch size compiles for longer")
+                   help="step programs compiled before /health turns 200: 'full' compiles every token bucket up to "
+                        "--max-num-batched-tokens (auto: full on a GPU, minimal on the CPU)")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
@@ -68,8 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
-                "load_format", "dtype", "seed", "kernels", "layers_per_program", "cuda_graph_max_batch", "num_hosts",
-                "host_index", "coordinator_address")
+                "load_format", "dtype", "seed", "kernels", "num_hosts", "host_index", "coordinator_address")
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -94,7 +87,8 @@ def enable_compilation_cache(path: str | None) -> str | None:
 
 
 async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
-    """Serve `app` until SIGTERM/SIGINT (or a failed engine start); returns the process exit code."""
+    """Serve `app` until SIGTERM/SIGINT, a failed engine start or the engine core's death; returns the process exit
+    code (non-zero for the last two, so that a supervisor restarts the server)."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
@@ -122,6 +116,13 @@ async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
             exit_code = 1
             stop.set()
 
+    def engine_died(reason: str) -> None:
+        nonlocal exit_code
+        log.error("shutting down: the engine core died (%s)", reason)
+        exit_code = 1
+        stop.set()
+
+    app.extensions["qwen_jax"].engine.on_dead(engine_died)
     watcher = asyncio.create_task(watch_engine())
     try:
         await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
@@ -135,16 +136,13 @@ async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
 def follow(model: str, args: dict) -> int:
     """Host > 0 of several: no HTTP server. Builds the same engine as host 0 (joining it through jax.distributed)
     and runs host 0's steps, its warm-up included, until host 0's engine shuts down."""
-    from qwen_jax.engine.llm_engine import LLMEngine
+    from qwen_jax.engine.core import EngineCore
 
-    engine = LLMEngine(model, **args)
+    engine = EngineCore(model, **args)
     log.info("host %d: following host 0 (no HTTP server here)", args["host_index"])
     steps = engine.follow()
     log.info("host 0 stopped after %d steps", steps)
     return 0
-
-
-SWITCH_INTERVAL_S = float(os.environ.get("QWEN_JAX_SWITCH_INTERVAL", "0.0005"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,9 +173,6 @@ def main(argv: list[str] | None = None) -> int:
                           max_num_seqs=running, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_request_bytes)
     app = create_app(engine, config)
-    # The engine thread dispatches a step's programs while the event loop turns the last step's tokens into stream
-    # chunks; with CPython's default 5 ms GIL switch interval the dispatch waits out the loop's busy spells.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     return asyncio.run(serve(app, args.host, args.port, args.graceful_timeout))
 
 

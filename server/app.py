@@ -19,6 +19,7 @@ from typing import Any
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
+from qwen_jax.llm import EngineDead
 from qwen_jax.outputs import RequestOutput, TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 from server.chat import ReasoningSplitter, encode_prompt, render_chat
@@ -369,6 +370,10 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
         kind = "invalid_request_error" if status < 500 else "server_error"
         return _json(error_body(message, kind, None, exc.name.lower().replace(" ", "_")), status)
 
+    @app.errorhandler(EngineDead)
+    async def _engine_dead(exc: EngineDead) -> Response:
+        return _json(error_body(str(exc), "server_error"), 500)
+
     @app.errorhandler(Exception)
     async def _internal(exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.path)
@@ -379,6 +384,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
     async def health() -> Response:
         if state.ready():
             return _json({"status": "ok"})
+        if engine.error is not None:  # the engine core died: this process is about to exit non-zero
+            return _json({"status": f"engine failed: {engine.error}"}, 500)
         status = "loading" if state.start_error is None else f"failed: {state.start_error}"
         return _json({"status": status}, 503, {"Retry-After": "5"})
 
@@ -544,6 +551,8 @@ async def _stream_chat(state: ServerState, req: ParsedRequest, rid: str, prompts
             item = await choices.next()
     except ValueError as exc:
         yield _sse(error_body(str(exc)))
+    except EngineDead as exc:  # the stream still ends well-formed: an error event, then [DONE]
+        yield _sse(error_body(str(exc), "server_error"))
     for line in _stream_end(req, head, prompts_ids, jobs, finals):
         yield line
 
@@ -577,5 +586,7 @@ async def _stream_completion(state: ServerState, req: ParsedRequest, rid: str, p
             item = await choices.next()
     except ValueError as exc:
         yield _sse(error_body(str(exc)))
+    except EngineDead as exc:  # the stream still ends well-formed: an error event, then [DONE]
+        yield _sse(error_body(str(exc), "server_error"))
     for line in _stream_end(req, head, prompts_ids, jobs, finals):
         yield line

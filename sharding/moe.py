@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.layers.mlp import linear, route, routed_experts_impl
+from qwen_jax.layers.mlp import drop_padding, linear, route, routed_experts_impl
 from qwen_jax.models.decoder import param_shapes
 from sharding.mesh import MODEL_AXES
 from sharding.rules import MOE, entry_axes, logical_to_spec
@@ -28,7 +28,8 @@ def context_mesh(mesh: Mesh):
 
 
 def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
-    """sparse_moe(x [T, H], p, top_k, renormalize) with the experts split over the mesh as sharding/rules.py says."""
+    """sparse_moe(x [T, H], p, top_k, renormalize, valid) with the experts split over the mesh as sharding/rules.py
+    says."""
     shapes = param_shapes(cfg)["layers"][cfg.moe_layers[0]]["mlp"]  # every MoE layer has the same shapes
     specs = {name: logical_to_spec(MOE[name], s.shape, mesh) for name, s in shapes.items()}
     expert_axes = entry_axes(specs["w_gate"][0])
@@ -38,8 +39,9 @@ def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
 
     routed = routed_experts_impl(cfg.kernels)
 
-    def body(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
+    def body(x: jax.Array, p: dict, valid: jax.Array | None, top_k: int, renormalize: bool) -> jax.Array:
         weights, ids = route(x, p["router"], top_k, renormalize)
+        ids = drop_padding(ids, valid)
         first = jax.lax.axis_index(expert_axes) * local_experts if expert_axes else 0
         partials = {routed_axes: routed(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"], first)}
         if "shared_gate" in p:
@@ -50,10 +52,11 @@ def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
         out = sum(jax.lax.psum(v, axes) if axes else v for axes, v in partials.items())
         return out.astype(x.dtype)
 
-    def moe(x: jax.Array, p: dict, top_k: int, renormalize: bool) -> jax.Array:
+    def moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, valid: jax.Array | None = None) -> jax.Array:
         fn = jax.shard_map(
-            lambda x, p: body(x, p, top_k, renormalize), mesh=context_mesh(mesh),
-            in_specs=(P(), {k: specs[k] for k in p}), out_specs=P(), axis_names=set(MODEL_AXES), check_vma=False)
-        return fn(x, p)
+            lambda x, p, valid: body(x, p, valid, top_k, renormalize), mesh=context_mesh(mesh),
+            in_specs=(P(), {k: specs[k] for k in p}, P()), out_specs=P(), axis_names=set(MODEL_AXES),
+            check_vma=False)
+        return fn(x, p, valid)
 
     return moe

@@ -56,18 +56,17 @@ def head_parallel_attention(cfg: ModelConfig, mesh: Mesh, attend: Callable) -> C
         return attend
     shared = _shared_head(cfg.num_heads, cfg.num_kv_heads, q_axes, kv_axes, mesh, "attention")
     local_q, group = cfg.num_heads // _shard_count(q_axes, mesh), cfg.num_heads // cfg.num_kv_heads
-    heads, kv_heads = P(None, None, q_axes, None), P(None, None, kv_axes or None, None)
+    heads, kv_heads = P(None, q_axes, None), P(None, None, kv_axes or None, None)
 
-    def attention(q, k_cache, v_cache, positions, context_lens, block_tables, scale):
-        def local(q, k_cache, v_cache, positions, context_lens, block_tables):
+    def attention(q, k_cache, v_cache, batch, scale):
+        def local(q, k_cache, v_cache, batch):
             if not shared:
-                return attend(q, k_cache, v_cache, positions, context_lens, block_tables, scale)
+                return attend(q, k_cache, v_cache, batch, scale)
             start = jax.lax.axis_index(q_axes) * local_q // group
-            return attend(q, k_cache, v_cache, positions, context_lens, block_tables, scale, start, 1)
+            return attend(q, k_cache, v_cache, batch, scale, start, 1)
 
-        return jax.shard_map(local, mesh=context_mesh(mesh), in_specs=(heads, kv_heads, kv_heads, P(), P(), P()),
-                             out_specs=heads, axis_names=set(MODEL_AXES), check_vma=False)(
-            q, k_cache, v_cache, positions, context_lens, block_tables)
+        return jax.shard_map(local, mesh=context_mesh(mesh), in_specs=(heads, kv_heads, kv_heads, P()),
+                             out_specs=heads, axis_names=set(MODEL_AXES), check_vma=False)(q, k_cache, v_cache, batch)
 
     return attention
 
@@ -84,19 +83,19 @@ def head_parallel_delta_rule(cfg: ModelConfig, mesh: Mesh, delta_rule: Callable)
     nv, nk = cfg.linear_num_value_heads, cfg.linear_num_key_heads
     shared = _shared_head(nv, nk, v_axes, k_axes, mesh, "Gated DeltaNet")
     local_v, repeat = nv // _shard_count(v_axes, mesh), nv // nk
-    key_heads, value_heads = P(None, None, k_axes or None, None), P(None, None, v_axes, None)
-    gates, per_head, state = P(None, None, v_axes), P(v_axes), P(None, v_axes, None, None)
+    key_heads, value_heads = P(None, k_axes or None, None), P(None, v_axes, None)
+    gates, per_head, state = P(None, v_axes), P(v_axes), P(None, v_axes, None, None)
 
-    def local(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
+    def local(q, k, v, a, b, A_log, dt_bias, ssm, batch):
         if shared:  # this device's value heads all read one key head
             start = jax.lax.axis_index(v_axes) * local_v // repeat
-            q, k = (jax.lax.dynamic_slice_in_dim(t, start, 1, axis=2) for t in (q, k))
-        return delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens)
+            q, k = (jax.lax.dynamic_slice_in_dim(t, start, 1, axis=1) for t in (q, k))
+        return delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, batch)
 
     def sharded(*args):
         return jax.shard_map(
             local, mesh=context_mesh(mesh),
-            in_specs=(key_heads, key_heads, value_heads, gates, gates, per_head, per_head, state, P(), P(), P()),
+            in_specs=(key_heads, key_heads, value_heads, gates, gates, per_head, per_head, state, P()),
             out_specs=(value_heads, state), axis_names=set(MODEL_AXES), check_vma=False)(*args)
 
     return sharded

@@ -127,6 +127,21 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: i
                                                                             num_slots))
 
 
+def _trimmed(spec: P) -> P:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def init_cache(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> dict:
+    """Zeroed cache made directly in its shards (num_blocks and num_slots count all replicas together).
+    Specs without trailing Nones, as compiled programs return them: a donated cache keeps one jit signature."""
+    shardings = jax.tree.map(lambda sh: NamedSharding(mesh, _trimmed(sh.spec)),
+                             cache_shardings(cfg, mesh, num_blocks, block_size, num_slots))
+    return jax.jit(lambda: decoder.init_cache(cfg, num_blocks, block_size, num_slots), out_shardings=shardings)()
+
+
 def constrain_cache_layer(cfg: ModelConfig, mesh: Mesh, index: int, layer: dict) -> dict:
     """Inside a jitted program: pin layer `index`'s cache entries (KV pages or GDN state, any number of pages or
     slots, e.g. prefix-cache snapshots) to their rules' shardings, so a donated cache comes back in its own shards."""

@@ -1,146 +1,335 @@
-"""EngineCore: one model replica on its own devices, with its cache memory sized from those devices and its own
-block pool, slot pool, prefix cache, scheduler and runner. LLMEngine owns one per data-parallel replica.
+"""EngineCore: the engine's device side. It builds one Replica (scheduler + runner on its own devices) per
+data-parallel replica, takes requests, and runs the step loop one step ahead of the device: it plans and issues step
+N+1, then reads back step N's tokens and applies them (EOS, stop token ids, max_tokens, max_model_len).
 
-A core only ever sees its own sequences; `step` touches nothing outside the core (the engine may call the cores'
-steps from several threads at once) and returns the sampled rows for the engine to apply.
+It emits per-request token outputs (CoreOutput) and never detokenizes: text, stop strings and RequestOutputs are the
+front's (engine/output.py). It runs in its own process under the server (engine/core_client.py) or in the caller's
+process for the offline LLM.
 """
 
 from __future__ import annotations
 
-import jax
-import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+import dataclasses
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
-from qwen_jax.config import ModelConfig
-from qwen_jax.engine.memory import BlockPool, SlotPool
-from qwen_jax.engine.prefix_cache import PrefixCache
-from qwen_jax.engine.runner import ModelRunner, prefill_len, step_shapes
-from qwen_jax.engine.sampler import SampleOutput, TokenHistory
-from qwen_jax.engine.scheduler import Row, Scheduler
+import jax
+
+from qwen_jax.engine import multihost
+from qwen_jax.engine.model_files import eos_ids, load_tokenizer, read_model_config, resolve_max_model_len
+from qwen_jax.engine.replica import Replica
+from qwen_jax.engine.sampler import SampleOutput
+from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
-from sharding import rules
-from sharding.mesh import describe as describe_mesh
+from qwen_jax.outputs import TokenLogprob
+from qwen_jax.sampling_params import SamplingParams
+from qwen_jax.weights import dummy_params, load_params, open_checkpoint
+from sharding import distributed, mesh, rules
+from sharding.ops import ops_for_mesh
+
+log = logging.getLogger("qwen_jax")
+
+ENGINE_ARGS = dict(
+    max_model_len=None,  # default: the model's max_position_embeddings, capped at 8192
+    max_num_seqs=64,  # per data-parallel replica (as vLLM's is per DP rank)
+    max_num_batched_tokens=2048,  # per replica and step
+    gpu_memory_utilization=0.9,
+    enable_prefix_caching=True,
+    tensor_parallel_size=1,
+    data_parallel_size=1,  # D independent replicas, replica i on devices [i*tp, (i+1)*tp)
+    enable_expert_parallel=False,
+    load_format="auto",  # "auto": read the checkpoint; "dummy": random weights with the real shapes
+    dtype="auto",
+    kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one
+    seed=0,
+    block_size=16,
+    num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
+    cpu_cache_budget_gib=2.0,  # cache memory on a CPU backend (no device memory statistics there)
+    num_kv_blocks=None,  # usable KV blocks, overriding the memory-derived count (tests, reproducible sizing)
+    # Several hosts (sharding/README.md, "Several hosts"); None: sharding/distributed.py's environment variables.
+    num_hosts=None,  # processes joined by jax.distributed ($JAX_NUM_PROCESSES; 1: this host alone)
+    host_index=None,  # this process ($JAX_PROCESS_ID): 0 schedules, every other one follows (EngineCore.follow)
+    coordinator_address=None,  # "host:port" that host 0 serves the coordinator on ($JAX_COORDINATOR_ADDRESS)
+)
+"""The engine arguments (vLLM's names) and their defaults. With data_parallel_size D the engine runs D replicas,
+each with its own weights and cache: max_num_seqs, max_num_batched_tokens, num_kv_blocks, num_snapshots and the
+memory sizing apply to each replica (so D x max_num_seqs sequences run at once), as in vLLM, where they are per
+DP rank."""
+
+
+def engine_args(given: dict) -> dict:
+    """ENGINE_ARGS with the given values (None: the default); unknown names are an error."""
+    unknown = set(given) - set(ENGINE_ARGS)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+    return {**ENGINE_ARGS, **{k: v for k, v in given.items() if v is not None}}
+
+
+@dataclasses.dataclass
+class CoreOutput:
+    """What one step did for one request: its new tokens (and their logprobs), and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the EOS / stop token id that ended it
+    eos: bool = False  # the last new token is an EOS that ended the request: it is not part of the text
+    num_cached_tokens: int = 0
+    error: str | None = None  # finish_reason "error": what went wrong with this request alone
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step issued to a replica's devices and not read back yet."""
+
+    replica: Replica
+    rows: list[Row]
+    out: SampleOutput
 
 
 class EngineCore:
-    def __init__(self, index: int, cfg: ModelConfig, params: dict, mesh: Mesh, args: dict, max_model_len: int,
-                 eos_token_ids: list[int], seed: int):
-        """Replica `index` over `mesh`, serving `params` (already laid out over `mesh`); `args` are the engine's."""
-        self.index = index
-        self.cfg = cfg
-        self.mesh = mesh
-        self.max_model_len = max_model_len
-        self.max_num_seqs = int(args["max_num_seqs"])
-        self.max_num_batched_tokens = int(args["max_num_batched_tokens"])
-        self.block_size = int(args["block_size"])
-        self._size_memory(args)
-        self.blocks = BlockPool(self.num_blocks, self.block_size)
-        self.slots = SlotPool(self.max_num_seqs + 1) if cfg.is_hybrid else None
-        self.prefix_cache = (PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid)
-                             if args["enable_prefix_caching"] else None)
-        self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.prefix_cache)
-        self.runner = ModelRunner(cfg, params, self.num_blocks, self.block_size, self.max_num_seqs + 1,
-                                  self.num_snapshots if self.prefix_cache else 0, max_model_len, cfg.vocab_size,
-                                  eos_token_ids, seed=seed, mesh=mesh,
-                                  layers_per_program=int(args["layers_per_program"]),
-                                  cuda_graph_max_batch=args["cuda_graph_max_batch"])
+    """One model on this host's devices (and, on several hosts, the others'), as D data-parallel replicas."""
 
-    # ---- memory sizing ---------------------------------------------------------------------------------------
-    def _size_memory(self, args: dict) -> None:
-        """Cache sizes from the tightest device of this replica: its free memory (after the weights are placed) and
-        its shard of a block / slot."""
-        cfg, block_size = self.cfg, self.block_size
-        per_block = rules.cache_bytes_per_device(cfg, self.mesh, 1, block_size, 0)  # KV pages of every layer
-        per_slot = rules.cache_bytes_per_device(cfg, self.mesh, 0, block_size, 1)  # GDN state of every layer
-        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-        stats = [d.memory_stats() or {} for d in local]
-        if not local:  # a replica on other hosts: theirs decide (the allgather below)
-            budget = float("inf")
-        elif all("bytes_limit" in s for s in stats):
-            # 5% of each device held back for activations and compiled programs
-            budget = min(s["bytes_limit"] * (float(args["gpu_memory_utilization"]) - 0.05) - s["bytes_in_use"]
-                         for s in stats)
-        else:
-            budget = float(args["cpu_cache_budget_gib"]) * 2**30
-        if jax.process_count() > 1:  # every host must build the same cache shapes
-            budget = float(np.min(multihost_utils.process_allgather(np.float64(budget))))
-        blocks_per_seq = -(-self.max_model_len // block_size)
-        state_bytes = (self.max_num_seqs + 1) * per_slot
-        snapshots = args["num_snapshots"]
-        if snapshots is None:
-            snapshots = (2 * self.max_num_seqs + 1) if per_slot else 0
-            snapshots = int(min(snapshots, 0.2 * max(budget - state_bytes, 0) // max(per_slot, 1)))
-        self.num_snapshots = int(snapshots) if (cfg.is_hybrid and args["enable_prefix_caching"]) else 0
-        left = budget - state_bytes - self.num_snapshots * per_slot
-        wanted = 2 * self.max_num_seqs * blocks_per_seq + 1  # room for every sequence at full length, plus cache
-        fits = int(left // per_block) if per_block else wanted
-        self.num_blocks = max(2, min(wanted, fits))
-        if args["num_kv_blocks"] is not None:
-            self.num_blocks = int(args["num_kv_blocks"]) + 1  # + the reserved padding sink
-        if self.num_blocks - 1 < blocks_per_seq:
-            raise ValueError(f"only {self.num_blocks - 1} KV blocks fit in memory, one sequence of max_model_len "
-                             f"{self.max_model_len} needs {blocks_per_seq}: lower max_model_len or raise "
-                             f"gpu_memory_utilization")
-        if state_bytes > budget:
-            raise ValueError(f"recurrent state for {self.max_num_seqs} sequences needs {state_bytes / 2**30:.1f} GiB, "
-                             f"{budget / 2**30:.1f} GiB are free: lower max_num_seqs")
+    def __init__(self, model_path: str, **given):
+        args = self.args = engine_args(given)
+        distributed.initialize(args["num_hosts"], args["host_index"], args["coordinator_address"])
+        self.model_path = model_path
+        dp = int(args["data_parallel_size"])
+        replica_meshes = mesh.replica_meshes(args["tensor_parallel_size"], dp, bool(args["enable_expert_parallel"]))
+        self.replica_hosts = [sorted({d.process_index for d in m.devices.flat}) for m in replica_meshes]
+        idle = set(range(jax.process_count())) - {h for hosts in self.replica_hosts for h in hosts}
+        if idle:
+            raise ValueError(f"with {jax.process_count()} hosts the replicas must use all of them: "
+                             f"data_parallel_size {dp} x tensor_parallel_size {args['tensor_parallel_size']} leaves "
+                             f"host(s) {sorted(idle)} without devices (each host has {jax.local_device_count()})")
+        cfg = self.cfg = read_model_config(model_path, args["dtype"]).with_kernels(args["kernels"])
+        ops_for_mesh(cfg, replica_meshes[0])  # a head layout the partitioned ops cannot split fails here, not mid-step
+        self.eos_token_ids = eos_ids(model_path, cfg, load_tokenizer(model_path))
+        self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
+        t0 = time.perf_counter()
+        replica_params = self._load_params(args, replica_meshes)
+        jax.block_until_ready(replica_params)
+        self.load_seconds = time.perf_counter() - t0
+        # Distinct sampling seeds per replica (seed * dp + i): unseeded rows of two replicas draw different numbers.
+        self.replicas = [Replica(i, cfg, params, m, args, self.max_model_len, self.eos_token_ids,
+                                 seed=int(args["seed"]) * dp + i)
+                         for i, (params, m) in enumerate(zip(replica_params, replica_meshes, strict=True))]
+        # Several hosts: host 0 alone schedules (every replica), and sends each step's ops (the runner's device work
+        # as host data) to the other hosts of that replica; they run them in follow() (engine/multihost.py). A
+        # replica on other hosts only sends its sampled outputs back. Every host makes the same channels in order.
+        self.channels = {i: multihost.StepChannel(followers=hosts)
+                         for i, hosts in enumerate(self.replica_hosts) if hosts != [0]}
+        if self.is_leader:
+            for i, channel in self.channels.items():
+                runner = self.replicas[i].runner
+                runner.executor = (multihost.leader_executor(channel, runner.execute) if 0 in self.replica_hosts[i]
+                                   else multihost.remote_executor(channel))
+        self.seqs: dict[str, Sequence] = {}
+        self._replica_of: dict[str, Replica] = {}  # request -> the replica it runs on, for its whole life
+        self._in_flight: list[_InFlight] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        self.step_seconds = 0.0  # wall time of step(): planning, issuing, waiting, applying tokens
+        log.info("loaded %s in %.1fs; %s; total over %d replica(s): %d sequences at once, %d KV cache tokens",
+                 model_path, self.load_seconds, "; ".join(r.describe() for r in self.replicas), dp,
+                 sum(r.max_num_seqs for r in self.replicas), sum(r.num_tokens for r in self.replicas))
 
-    @property
-    def num_tokens(self) -> int:
-        """KV cache capacity in tokens (the padding sink block not counted)."""
-        return self.blocks.num_usable * self.block_size
-
-    def describe(self) -> str:
-        return (f"replica {self.index} on {describe_mesh(self.mesh)} "
-                f"(devices {','.join(str(d.id) for d in self.mesh.devices.flat)}): KV cache {self.blocks.num_usable} "
-                f"blocks x {self.block_size} tokens ({self.num_tokens} tokens), {self.max_num_seqs} sequences at "
-                f"once, {self.num_snapshots} state snapshots")
+    def _load_params(self, args: dict, replica_meshes: list) -> list[dict | None]:
+        """One params pytree per replica, each made straight in its replica's shards. A checkpoint is read once:
+        each tensor is placed into every replica before the next is read. Dummy weights: every replica draws the
+        same seed, so the replicas are identical. Only replicas with devices on this host get weights here (None for
+        the others)."""
+        cfg = self.cfg
+        local = [i for i, hosts in enumerate(self.replica_hosts) if jax.process_index() in hosts]
+        params: list[dict | None] = [None] * len(replica_meshes)
+        if args["load_format"] == "dummy":  # only config.json is needed (no weights on disk)
+            for i in local:
+                params[i] = dummy_params(cfg, seed=args["seed"],
+                                         shardings=rules.param_shardings(cfg, replica_meshes[i]))
+            return params
+        places = [rules.make_place(cfg, replica_meshes[i]) for i in local]
+        copies = load_params(cfg, open_checkpoint(self.model_path)[1],
+                             place=lambda path, array: tuple(place(path, array) for place in places),
+                             progress=os.environ.get("QWEN_JAX_PROGRESS", "1") == "1")
+        for n, i in enumerate(local):
+            params[i] = jax.tree.map(lambda leaf, n=n: leaf[n], copies, is_leaf=lambda x: isinstance(x, tuple))
+        return params
 
     # ---- requests --------------------------------------------------------------------------------------------
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the problem when the engine cannot serve this request (nothing is changed)."""
+        check_request(prompt_token_ids, params, self.cfg.vocab_size, self.max_model_len)
+        replica = self.replicas[0]
+        needed = replica.blocks.blocks_for(len(prompt_token_ids) + params.max_tokens)
+        if needed > replica.blocks.num_usable:
+            raise ValueError(f"the request needs {needed} KV blocks at its longest, the cache has "
+                             f"{replica.blocks.num_usable}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params)
+        replica = min(self.replicas, key=lambda r: r.num_unfinished)  # the least busy (ties: the lowest index)
+        replica.add(seq)
+        self.seqs[request_id] = seq
+        self._replica_of[request_id] = replica
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort(self, request_ids: list[str]) -> list[CoreOutput]:
+        """End these requests now (unknown or finished ones are skipped); their memory is free at once."""
+        outputs = []
+        for rid in request_ids:
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                self._replica_of.pop(rid).finish(seq, "abort")
+                outputs.append(CoreOutput(rid, [], finish_reason="abort", num_cached_tokens=seq.num_cached_tokens))
+        return outputs
 
     @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
+    def on_accelerator(self) -> bool:
+        return jax.default_backend() != "cpu"
 
-    def step(self, histories: dict[str, TokenHistory]) -> list[tuple[Row, SampleOutput, int]]:
-        """Schedule and run one step of this replica: (row, its group's SampleOutput on the host, index) per row.
-        Reads `histories` (penalty rows); the caller applies the sampled tokens."""
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return []
-        results = self.runner.run(plan.decode, plan.prefill, histories, self.max_num_batched_tokens)
-        self.scheduler.complete(plan)
-        return results
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._in_flight) or any(r.has_work for r in self.replicas)
 
-    def warmup(self, full: bool) -> None:
-        """Compile this replica's step programs before it serves: every (rows, length) a step can take (full), or a
-        one-row prefill and decode (minimal). Runs padding rows only: no request, block or counter is touched."""
-        if full:
-            shapes = step_shapes(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
-        else:
-            shapes = [(1, 1), (1, prefill_len(2, self.max_num_batched_tokens))]
-        self.runner.warmup(shapes, max_pairs=self.max_num_seqs if full else 1)
+    def warmup(self, full: bool = False) -> None:
+        """Compile the step programs before serving (Replica.warmup). Replicas compile concurrently (the compiler
+        releases the GIL)."""
+        if len(self.replicas) == 1:
+            self.replicas[0].warmup(full)
+            return
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            list(pool.map(lambda r: r.warmup(full), self.replicas))
 
-    def add(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        """Plan and issue the next step of every replica that has work, then read back the step issued before it
+        and apply its tokens: the device always has the next step queued while the host works on the last one.
+        A request that ends at step N has one more token computed in step N+1, which is dropped."""
+        start = time.perf_counter()
+        issued = []
+        for replica in self.replicas:
+            plan = replica.scheduler.schedule()
+            if not plan.empty:
+                out = replica.runner.executor(replica.runner.prepare(plan.rows))
+                issued.append(_InFlight(replica, plan.rows, out))
+        outputs = []
+        for step in self._in_flight:
+            outputs += self._apply(step)
+        self._in_flight = issued
+        if issued or outputs:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
+        return outputs
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Finish (or abort) one of this replica's sequences: its blocks and slot are free at once."""
-        self.scheduler.finish(seq, reason, stop_reason)
+    def _apply(self, step: _InFlight) -> list[CoreOutput]:
+        host = step.replica.runner.fetch(step.out)
+        outputs = []
+        for i, row in enumerate(step.rows):
+            if not row.samples:
+                continue
+            seq = row.seq
+            seq.num_pending -= 1
+            if seq.is_finished:  # finished or aborted since this step was issued: the token is dropped
+                continue
+            token = int(host.tokens[i])
+            seq.output_token_ids.append(token)
+            self.generation_tokens_total += 1
+            logprobs = None
+            if seq.params.logprobs is not None:
+                n = seq.params.logprobs
+                top = [(int(a), float(b)) for a, b in zip(host.top_ids[i][:n], host.top_logprobs[i][:n], strict=True)]
+                logprobs = [TokenLogprob(token, float(host.logprobs[i]), top)]
+            outputs.append(self._check_stop(step.replica, seq, token, logprobs))
+        return outputs
+
+    def _check_stop(self, replica: Replica, seq: Sequence, token: int, logprobs) -> CoreOutput:
+        """The token-level stop rules (stop strings are the front's): EOS and stop token ids once min_tokens are
+        out, max_tokens, max_model_len."""
+        params = seq.params
+        enough = len(seq.output_token_ids) >= params.min_tokens
+        eos = token in self.eos_token_ids and not params.ignore_eos and enough
+        out = CoreOutput(seq.request_id, [token], logprobs, num_cached_tokens=seq.num_cached_tokens)
+        if eos or (token in params.stop_token_ids and enough):
+            out.finish_reason, out.stop_reason, out.eos = "stop", token, eos
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
+            out.finish_reason = "length"
+        if out.finish_reason is not None:
+            replica.finish(seq, out.finish_reason, out.stop_reason)
+            del self.seqs[seq.request_id], self._replica_of[seq.request_id]
+        return out
+
+    # ---- several hosts ---------------------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process schedules (takes requests and steps): always on one host; host 0 of several."""
+        return jax.process_index() == 0
+
+    @property
+    def steps(self) -> multihost.StepChannel | None:
+        """Replica 0's channel to the other hosts (None on one host): its message counters."""
+        return self.channels.get(0)
+
+    def follow(self) -> int:
+        """Host > 0 of a multi-host engine: run host 0's steps for every replica with devices here (a thread per
+        replica when there are several) until its engine shuts down (or its process ends); returns how many steps
+        ran. The first host of a replica without host 0 sends that replica's sampled outputs back."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for hosts > 0 of a multi-host engine; host 0 takes the requests")
+        me = jax.process_index()
+        jobs = []
+        for i, hosts in enumerate(self.replica_hosts):
+            if me not in hosts:
+                continue
+            runner, reply = self.replicas[i].runner, 0 not in hosts and me == hosts[0]
+            execute = (lambda ops, r=runner: _host_output(r, r.execute(ops))) if reply else runner.execute
+            jobs.append((self.channels[i], execute, reply))
+        if len(jobs) == 1:
+            return multihost.follow(*jobs[0])
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="qwen-jax-follow") as pool:
+            return sum(pool.map(lambda job: multihost.follow(*job), jobs))
+
+    def shutdown(self) -> None:
+        """Host 0 of several: release the followers (their follow() returns). A no-op on one host; idempotent."""
+        if self.is_leader:
+            for channel in self.channels.values():
+                channel.stop()
 
     # ---- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        s, slots, cache = self.scheduler, self.slots, self.prefix_cache
-        return {
-            "num_running": len(s.running), "num_waiting": len(s.waiting),
-            "kv_blocks_used": self.blocks.num_usable - self.blocks.num_free, "kv_blocks_total": self.blocks.num_usable,
-            "state_slots_used": (slots.num_slots - 1 - slots.num_free) if slots else 0,
-            "state_slots_total": (slots.num_slots - 1) if slots else 0,
-            "prefix_cache_queries": cache.queries if cache else 0, "prefix_cache_hits": cache.hits if cache else 0,
-            "step_device_wait_seconds_total": self.runner.device_wait_seconds,
-        }
+        """Counters summed over the replicas (Replica.stats has each replica's own)."""
+        totals: dict[str, int] = {}
+        for replica in self.replicas:
+            for key, value in replica.stats().items():
+                totals[key] = totals.get(key, 0) + value
+        return {**totals, "steps_total": self.num_steps, "step_seconds_total": self.step_seconds,
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total}
+
+
+def _host_output(runner, out: SampleOutput | None) -> list | None:
+    """A step's sampled outputs as host data for a reply to host 0 (None for ops without a step)."""
+    return None if out is None else list(runner.fetch(out))
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError naming the problem when a request cannot be served by a model of this vocabulary and
+    context: every token id field is checked against the vocabulary here, at the edge."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.stop_token_ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_token_ids) + params.max_tokens > max_model_len:
+        raise ValueError(f"this model's maximum context length is {max_model_len} tokens; the request has "
+                         f"{len(prompt_token_ids)} prompt tokens and asks for {params.max_tokens} more")

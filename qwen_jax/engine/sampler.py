@@ -1,6 +1,8 @@
-"""On-device sampling: per-row penalties, EOS bans, temperature, top-k, top-p, min-p, seeded draws and raw logprobs.
+"""On-device sampling: per-row penalties (from per-request token counts kept on the device), EOS bans,
+temperature, top-k, top-p, min-p, seeded draws and raw logprobs.
 
-Never reads device values back to the host and never lets one row's parameters or position change another row's draw.
+Never reads device values back to the host, never branches on a device value (a GPU conditional waits for its
+predicate on the host), and never lets one row's parameters or position change another row's draw.
 """
 
 from __future__ import annotations
@@ -27,48 +29,6 @@ def _bucket(n: int, minimum: int) -> int:
     return 0 if n == 0 else max(minimum, 1 << (n - 1).bit_length())
 
 
-class TokenHistory:
-    """What the penalties of one request need, grown in O(new tokens): its unique prompt+output token ids and, for
-    each, how often it occurs in the output.
-
-    Why this shape: a dense [B, V] count array sent from the host would be 64 x 248,320 x 4 B = 64 MB per step, and
-    rebuilding counts from full token lists would cost O(sequence length) per request per step. Instead the host keeps
-    these two growing arrays (a dict maps id -> slot), `SamplingTensors.build` copies them into padded [B, L] arrays
-    (L = the largest number of distinct ids, bucketed to a power of two: a few hundred KB), and the jitted sampler
-    scatters them into [B, V] on the device, which costs about one more elementwise pass over the logits.
-    """
-
-    def __init__(self, prompt_token_ids: Sequence[int]):
-        unique = np.unique(np.asarray(prompt_token_ids, dtype=np.int32))
-        capacity = max(64, 2 * len(unique))
-        self._ids = np.zeros(capacity, np.int32)
-        self._counts = np.zeros(capacity, np.int32)
-        self._ids[: len(unique)] = unique
-        self._slot = {int(t): i for i, t in enumerate(unique)}
-        self.num_output_tokens = 0
-
-    def append(self, token_ids: Sequence[int]) -> None:
-        for t in token_ids:
-            slot = self._slot.get(int(t))
-            if slot is None:
-                slot = len(self._slot)
-                if slot == len(self._ids):
-                    self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])
-                    self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
-                self._slot[int(t)] = slot
-                self._ids[slot] = t
-            self._counts[slot] += 1
-        self.num_output_tokens += len(token_ids)
-
-    @property
-    def ids(self) -> np.ndarray:  # [n] int32, distinct ids seen in prompt or output
-        return self._ids[: len(self._slot)]
-
-    @property
-    def output_counts(self) -> np.ndarray:  # [n] int32, occurrences of ids[i] in the output (0: prompt only)
-        return self._counts[: len(self._slot)]
-
-
 class SamplingTensors(NamedTuple):
     """Per-row sampling parameters, padded to a batch bucket B (padding rows are greedy, no cuts): device arrays from
     `build`, numpy from `build_host`."""
@@ -81,8 +41,7 @@ class SamplingTensors(NamedTuple):
     presence_penalty: jax.Array  # [B] f32
     frequency_penalty: jax.Array  # [B] f32
     rng: jax.Array  # [B, 3] u32: (seed low word, seed high word, counter); key = fold_in(key(seed), counter)
-    history_ids: jax.Array  # [B, L] i32 distinct prompt+output ids, padded with V (dropped); L = 0: no penalties
-    history_counts: jax.Array  # [B, L] i32 output occurrences of history_ids
+    penalty_rows: jax.Array  # [B] i32 the row's row of the penalty counts; the counts' size (dropped) without penalties
     banned_ids: jax.Array  # [B, NB] i32 ids forced to -inf this step, padded with V; NB = 0: none in the batch
 
     @classmethod
@@ -95,23 +54,26 @@ class SamplingTensors(NamedTuple):
         cls,
         params_list: Sequence[SamplingParams],
         num_generated: Sequence[int],
-        histories: Sequence[TokenHistory | None],
+        penalty_rows: Sequence[int] | None = None,
         *,
         vocab_size: int,
         batch_size: int,
         eos_token_ids: Sequence[int] = (),
         step_seed: int = 0,
+        num_penalty_rows: int = 0,
     ) -> SamplingTensors:
-        """Host-side assembly for one step, as numpy arrays (the runner places them on its mesh itself).
+        """Host-side assembly for one step, as numpy arrays (the runner moves them to its mesh itself).
 
-        num_generated[i]: output tokens row i already has (its seed counter and its min_tokens clock).
-        histories[i]: row i's TokenHistory; may be None when the row uses no penalty.
+        num_generated[i]: output tokens row i already has (its seed counter and its min_tokens clock), in-flight ones
+        included. penalty_rows[i]: the row of the device's penalty counts (`init_penalty_rows`) that holds request
+        i's token counts; used only by rows with a penalty. num_penalty_rows: the counts' rows (the drop index).
         step_seed: an engine counter that changes every step; unseeded row r draws with key (step_seed, r).
         A seeded row draws with key (seed, num_generated), so its tokens do not depend on the rest of the batch.
         """
         n = len(params_list)
-        if not n <= batch_size or len(num_generated) != n or len(histories) != n:
-            raise ValueError(f"{n} params, {len(num_generated)} counters and {len(histories)} histories "
+        penalty_rows = list(penalty_rows) if penalty_rows is not None else [0] * n
+        if not n <= batch_size or len(num_generated) != n or len(penalty_rows) != n:
+            raise ValueError(f"{n} params, {len(num_generated)} counters and {len(penalty_rows)} penalty rows "
                              f"for a bucket of {batch_size}")
         f32 = np.float32
         temperature = np.zeros(batch_size, f32)
@@ -124,7 +86,7 @@ class SamplingTensors(NamedTuple):
         rng = np.zeros((batch_size, 3), np.uint32)
         step_seed = int(step_seed)
         rng[:, 0], rng[:, 1], rng[:, 2] = step_seed & _U32, (step_seed >> 32) & _U32, np.arange(batch_size)
-        penalised: list[int] = []
+        rows = np.full(batch_size, num_penalty_rows, np.int32)
         banned: dict[int, list[int]] = {}
         for i, (p, done) in enumerate(zip(params_list, num_generated, strict=True)):
             temperature[i] = p.temperature
@@ -133,27 +95,29 @@ class SamplingTensors(NamedTuple):
             rep[i], presence[i], frequency[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
             if p.seed is not None:
                 rng[i] = (p.seed & _U32, (p.seed >> 32) & _U32, done & _U32)
-            if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                if histories[i] is None:
-                    raise ValueError(f"row {i} uses penalties but has no TokenHistory")
-                penalised.append(i)
+            if p.has_penalties:
+                rows[i] = penalty_rows[i]
             if done < p.min_tokens:
                 # vLLM semantics: before min_tokens, every token that would end the request is banned.
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 if ids:
                     banned[i] = sorted(ids)
-        hist_len = _bucket(max((len(histories[i].ids) for i in penalised), default=0), 16)
-        history_ids = np.full((batch_size, hist_len), vocab_size, np.int32)
-        history_counts = np.zeros((batch_size, hist_len), np.int32)
-        for i in penalised:
-            h = histories[i]
-            history_ids[i, : len(h.ids)] = h.ids
-            history_counts[i, : len(h.ids)] = h.output_counts
         banned_ids = np.full((batch_size, _bucket(max(map(len, banned.values()), default=0), 4)), vocab_size, np.int32)
         for i, ids in banned.items():
             banned_ids[i, : len(ids)] = ids
-        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, history_ids, history_counts,
-                   banned_ids)
+        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, rows, banned_ids)
+
+
+def cut_path(params_list: Sequence[SamplingParams], vocab_size: int) -> int:
+    """Which top-k / top-p path a batch needs, chosen on the host (a branch on a device value would make the GPU
+    wait for the host): 0 when no sampled row cuts; 1 when every cutting row has 0 < top_k <= TOP_K_FAST_MAX
+    (lax.top_k over the batch); 2 otherwise (a full descending sort)."""
+    fast = min(TOP_K_FAST_MAX, vocab_size)
+    cutting = [p for p in params_list
+               if p.temperature > 0 and ((0 < p.top_k < vocab_size) or p.top_p < 1.0)]
+    if not cutting:
+        return 0
+    return 1 if all(0 < p.top_k <= fast for p in cutting) else 2
 
 
 class SampleOutput(NamedTuple):
@@ -163,19 +127,38 @@ class SampleOutput(NamedTuple):
     top_logprobs: jax.Array  # [B, K] f32, raw log-softmax, descending
 
 
-def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """[B, V] logits -> penalised logits. Repetition first (tokens of prompt+output, as HF/vLLM: positive logits are
-    divided by it, negative ones multiplied), then frequency and presence (output tokens only, as OpenAI/vLLM:
-    subtract frequency * count, and presence once)."""
-    b, v = logits.shape
-    rows = jnp.arange(b)[:, None]
-    # 0: never seen; c + 1: seen, c occurrences in the output. Padding ids are V and dropped.
-    seen = jnp.zeros((b, v), jnp.int32).at[rows, t.history_ids].set(t.history_counts + 1, mode="drop")
-    counts = jnp.maximum(seen - 1, 0).astype(jnp.float32)
+def init_penalty_rows(counts: jax.Array, rows: jax.Array, token_ids: jax.Array, num_prompt: jax.Array,
+                      num_tokens: jax.Array) -> jax.Array:
+    """Reset rows `rows` [N] of the penalty counts [S, V] (S: out of range, dropped) from each request's tokens so far:
+    token_ids [N, L] (prompt then output, num_tokens [N] of them real, the first num_prompt [N] the prompt).
+    Entry (row, v): 0 when v was never seen, 1 + its number of occurrences in the output once seen."""
+    n, length = token_ids.shape
+    vocab = counts.shape[1]
+    at = jnp.arange(length)[None, :]
+    real = at < num_tokens[:, None]
+    every = jnp.zeros((n, vocab + 1), jnp.int32).at[jnp.arange(n)[:, None], jnp.where(real, token_ids, vocab)].set(1)
+    output = real & (at >= num_prompt[:, None])
+    every = every.at[jnp.arange(n)[:, None], jnp.where(output, token_ids, vocab)].add(1)
+    return counts.at[rows].set(every[:, :vocab], mode="drop")
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors, counts: jax.Array) -> jax.Array:
+    """[B, V] logits -> penalised logits, from each row's penalty counts (init_penalty_rows; rows without a penalty
+    name no row and read zeros). Repetition first (tokens of prompt+output, as HF/vLLM: positive logits are divided by
+    it, negative ones multiplied), then frequency and presence (output tokens only, as OpenAI/vLLM: subtract
+    frequency * count, and presence once)."""
+    seen = counts.at[t.penalty_rows].get(mode="fill", fill_value=0)  # [B, V]
+    occurrences = jnp.maximum(seen - 1, 0).astype(jnp.float32)
     rep = t.repetition_penalty[:, None]
     logits = jnp.where(seen > 0, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - t.frequency_penalty[:, None] * counts
-    return logits - t.presence_penalty[:, None] * (counts > 0)
+    logits = logits - t.frequency_penalty[:, None] * occurrences
+    return logits - t.presence_penalty[:, None] * (occurrences > 0)
+
+
+def count_tokens(counts: jax.Array, t: SamplingTensors, tokens: jax.Array) -> jax.Array:
+    """The penalty counts after each penalised row's new token: seen, and one more output occurrence."""
+    old = counts.at[t.penalty_rows, tokens].get(mode="fill", fill_value=0)
+    return counts.at[t.penalty_rows, tokens].set(jnp.maximum(old, 1) + 1, mode="drop")
 
 
 def _cut_threshold(vals: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -191,35 +174,26 @@ def _cut_threshold(vals: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     return jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0]
 
 
-def _truncate(scaled: jax.Array, t: SamplingTensors, active: jax.Array) -> jax.Array:
-    """Top-k then top-p on temperature-scaled logits, choosing the cheapest path that is exact for the batch:
-    0: nobody cuts; 1: every cutting row has top_k <= TOP_K_FAST_MAX (lax.top_k); 2: a full descending sort."""
+def _truncate(scaled: jax.Array, t: SamplingTensors, active: jax.Array, path: int) -> jax.Array:
+    """Top-k then top-p on temperature-scaled logits by the path `cut_path` chose for the batch: 0 nobody cuts; 1
+    every cutting row has top_k <= TOP_K_FAST_MAX (lax.top_k); 2 a full descending sort."""
+    if path == 0:
+        return scaled
     v = scaled.shape[1]
     fast = min(TOP_K_FAST_MAX, v)
     k_on = (t.top_k > 0) & active
     cuts = (k_on | (t.top_p < 1.0)) & active
     small_k = k_on & (t.top_k <= fast)
-    branch = jnp.where(jnp.any(cuts), jnp.where(jnp.all(~cuts | small_k), 1, 2), 0)
-
-    def mask(thr):
-        return jnp.where(cuts[:, None] & (scaled < thr[:, None]), -jnp.inf, scaled)
-
-    def none(x):
-        return x
-
-    def top_k_path(x):
-        vals, _ = jax.lax.top_k(x, fast)
-        return mask(_cut_threshold(vals, t.top_k, t.top_p))
-
-    def sort_path(x):
-        vals = -jnp.sort(-x, axis=-1)
+    if path == 1:
+        vals, _ = jax.lax.top_k(scaled, fast)
+        thr = _cut_threshold(vals, t.top_k, t.top_p)
+    else:
+        vals = -jnp.sort(-scaled, axis=-1)
         # Rows with a small k use the first `fast` sorted values, the same numbers path 1 sees, so a row's draw does
         # not depend on which path its batch took.
         thr = jnp.where(small_k, _cut_threshold(vals[:, :fast], t.top_k, t.top_p),
                         _cut_threshold(vals, t.top_k, t.top_p))
-        return mask(thr)
-
-    return jax.lax.switch(branch, [none, top_k_path, sort_path], scaled)
+    return jnp.where(cuts[:, None] & (scaled < thr[:, None]), -jnp.inf, scaled)
 
 
 def _row_key(rng: jax.Array) -> jax.Array:
@@ -229,10 +203,12 @@ def _row_key(rng: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, rng[2])
 
 
-@functools.partial(jax.jit, static_argnames=("num_top_logprobs",))
-def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -> SampleOutput:
-    """logits [B, V] -> SampleOutput; one compilation per (B, K) while no row uses penalties or bans (those add the
-    bucketed L and NB to the cache key).
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "path"), donate_argnames=("counts",))
+def sample(logits: jax.Array, tensors: SamplingTensors, counts: jax.Array | None = None, *, num_top_logprobs: int,
+           path: int) -> tuple[SampleOutput, jax.Array | None]:
+    """logits [B, V] -> (SampleOutput, the penalty counts with the penalised rows' new tokens counted). `counts`:
+    None when no row of the batch has a penalty; `path`: cut_path of the batch. One compilation per (B, K, path,
+    NB, penalties or not).
 
     Order: penalties -> bans -> (greedy rows: argmax) -> / temperature -> top-k -> top-p -> min-p -> categorical draw
     with the row's key. Logprobs are those of the raw model distribution (log-softmax of the unmodified logits, vLLM's
@@ -243,15 +219,15 @@ def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -
     b, v = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = logits
-    if t.history_ids.shape[1]:
-        x = apply_penalties(x, t)
+    if counts is not None:
+        x = apply_penalties(x, t, counts)
     if t.banned_ids.shape[1]:
         x = x.at[jnp.arange(b)[:, None], t.banned_ids].set(-jnp.inf, mode="drop")
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     active = t.temperature > 0.0
     scaled = x / jnp.where(active, t.temperature, 1.0)[:, None]
-    scaled = _truncate(scaled, t, active)
+    scaled = _truncate(scaled, t, active, path)
     row_max = jnp.max(scaled, axis=-1, keepdims=True)
     # min-p on the (renormalised) cut distribution: p / p_max is unchanged by renormalisation, so compare logits.
     below_min_p = (t.min_p[:, None] > 0.0) & (scaled < row_max + jnp.log(jnp.maximum(t.min_p, 1e-30))[:, None])
@@ -259,11 +235,12 @@ def sample(logits: jax.Array, tensors: SamplingTensors, num_top_logprobs: int) -
     keys = jax.vmap(_row_key)(t.rng)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     tokens = jnp.where(active, drawn, greedy_tokens)
+    if counts is not None:
+        counts = count_tokens(counts, t, tokens)
 
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_top_logprobs:
         top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
     else:
         top_logprobs, top_ids = jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
-    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
-
+    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs), counts

@@ -1,7 +1,9 @@
 """Scheduler: decides which sequences run in the next step and how many of their tokens (continuous batching,
 chunked prefill under a token budget, recompute preemption, prefix-cache admission).
 
-Host-side only: it hands out KV blocks and state slots and returns a plan; it never touches device arrays.
+Host-side only: it hands out KV blocks and state slots and returns a plan; it never touches device arrays. A planned
+step counts as done at once (its tokens computed, its samples pending), so the next step can be planned while the
+device still runs this one.
 """
 
 from __future__ import annotations
@@ -21,29 +23,26 @@ class Row:
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool = False  # the row's last token produces the sequence's next token
+    admitted: bool = False  # the sequence (re)enters the running set in this step
     restore_snapshot: int | None = None  # copy this snapshot into the seq's slot before the step
     save_snapshot: int | None = None  # copy the seq's slot into this snapshot after the step
-
-    @property
-    def samples(self) -> bool:
-        """Whether this row's last token produces the sequence's next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclasses.dataclass
 class StepPlan:
-    decode: list[Row]  # rows of exactly one token
-    prefill: list[Row]  # rows of several tokens
+    rows: list[Row]
     preempted: list[Sequence]
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.rows
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockPool, slots: SlotPool | None, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, blocks: BlockPool, slots: SlotPool, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_cache: PrefixCache | None = None):
+        """`slots`: one per running sequence (its recurrent state, its row of penalty counts)."""
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
@@ -112,17 +111,22 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """The next step: every running sequence's next tokens (oldest first; one for a decoding sequence, a chunk of
+        its prompt for a prefilling one) under the token budget, preempting the newest when blocks run out, then
+        waiting sequences while the budget, a slot and blocks allow. The plan's progress is booked at once."""
         budget = self.max_num_batched_tokens
-        decode: list[Row] = []
-        prefill: list[Row] = []
+        rows: list[Row] = []
         preempted: list[Sequence] = []
-        # Running sequences first, oldest first; preempt the newest when blocks run out.
         queue = list(self.running)
         while queue:
             seq = queue.pop(0)
             if budget <= 0:
                 break
+            if seq.num_requested >= seq.params.max_tokens:
+                continue  # its last token is on its way; it finishes when that comes back
             n = min(seq.num_uncomputed, budget, self._chunk_limit(seq))
+            if n <= 0:
+                continue
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -133,14 +137,15 @@ class Scheduler:
                     queue.remove(victim)
             if seq.status != Status.RUNNING:
                 continue
-            row = self._row(seq, n)
-            (decode if n == 1 else prefill).append(row)
+            rows.append(self._row(seq, n))
             budget -= n
         # Then admit waiting sequences while there is budget, a free slot and blocks.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if self.slots is not None and self.slots.num_free == 0:
+            if self.slots.num_free == 0:
                 break
+            if seq.num_pending:
+                raise RuntimeError(f"request {seq.request_id} re-admitted with tokens in flight")
             restore = self._admit_prefix(seq)
             n = min(seq.num_uncomputed, budget, self._chunk_limit(seq))
             if not self._grow(seq, n):
@@ -148,15 +153,26 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            if self.slots is not None:
-                seq.slot = self.slots.allocate()
+            seq.slot = self.slots.allocate()
             seq.status = Status.RUNNING
             self.running.append(seq)
             row = self._row(seq, n)
-            row.restore_snapshot = restore
-            (decode if n == 1 else prefill).append(row)
+            row.admitted, row.restore_snapshot = True, restore
+            rows.append(row)
             budget -= n
-        return StepPlan(decode, prefill, preempted)
+        for row in rows:
+            self._book(row)
+        return StepPlan(rows, preempted)
+
+    def _book(self, row: Row) -> None:
+        """Count a planned row as computed: its tokens' KV and state are in the cache for every later step (the
+        device runs steps in order), its sample is pending, its full prompt blocks are indexed for prefix hits."""
+        seq = row.seq
+        seq.num_computed_tokens += row.num_tokens
+        if row.samples:
+            seq.num_pending += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.register_blocks(seq.block_hashes, seq.block_table, seq.num_computed_tokens)
 
     def _chunk_limit(self, seq: Sequence) -> int:
         """A prefill chunk ends at the prompt's snapshot boundary (the last full block that leaves a token to compute),
@@ -182,18 +198,10 @@ class Scheduler:
         return snapshot
 
     def _row(self, seq: Sequence, n: int) -> Row:
-        row = Row(seq, seq.num_computed_tokens, n)
+        row = Row(seq, seq.num_computed_tokens, n, samples=seq.num_computed_tokens + n == seq.num_tokens)
         cache = self.prefix_cache
         if cache is not None and cache.hybrid:
             boundary = snapshot_boundary(len(seq.prompt_token_ids), self.blocks.block_size)
             if boundary and row.start + n == boundary and seq.block_hashes:
                 row.save_snapshot = cache.claim_snapshot(seq.block_hashes[boundary // self.blocks.block_size - 1])
         return row
-
-    def complete(self, plan: StepPlan) -> None:
-        """Advance progress after the step ran; index newly full prompt blocks in the prefix cache."""
-        for row in plan.decode + plan.prefill:
-            seq = row.seq
-            seq.num_computed_tokens += row.num_tokens
-            if self.prefix_cache is not None:
-                self.prefix_cache.register_blocks(seq.block_hashes, seq.block_table, seq.num_computed_tokens)

@@ -1,6 +1,6 @@
-"""Sequence: one request's state inside the engine (tokens, memory it holds, progress, sampling bookkeeping).
+"""Sequence: one request's state inside the engine core (tokens, memory it holds, progress, tokens in flight).
 
-Plain host-side data; the scheduler mutates it, nothing here touches devices.
+Plain host-side data; the scheduler and the core mutate it, nothing here touches devices.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.slot: int | None = None  # recurrent-state slot (hybrid models)
-        self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV / state is in the cache, or will be once the steps issued run
+        self.num_pending = 0  # tokens sampled by steps issued but not read back yet (their ids still on the device)
+        self.sample_row = 0  # the row of this sequence's last sampled token in the last step that sampled for it
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (last admission)
         self.block_hashes: list[int] = []  # hash chain of the full prompt blocks
         self.finish_reason: str | None = None
@@ -37,8 +39,8 @@ class Sequence:
         self.num_preemptions = 0
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without building the whole list (the runner reads one token per
-        decode row)."""
+        """Known tokens [start, end) of prompt + output (pending ones are not known yet), without building the whole
+        list (the runner reads one token per decode row)."""
         split = len(self.prompt_token_ids)
         if start >= split:
             return self.output_token_ids[start - split:end - split]
@@ -46,7 +48,17 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, output and pending tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_requested(self) -> int:
+        """Output tokens produced or on their way: no more are scheduled once this reaches max_tokens."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def num_uncomputed(self) -> int:

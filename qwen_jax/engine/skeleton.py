@@ -1,5 +1,6 @@
-"""The minimal engine: `create_engine` loads a checkpoint and serves prefill / decode / remove of named requests
-over the paged KV cache and recurrent-state slots, one jitted `decoder.forward` per (batch, length) bucket.
+"""The engine-evaluation adapter: `create_engine` loads a checkpoint and serves prefill / decode / remove of named
+requests over the paged KV cache and recurrent-state slots, through the engine's own step program (engine/step.py)
+on flat ragged batches.
 
 No scheduling, sampling or sharding here, and never a host copy of the logits when the caller hands in device tensors.
 """
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen_jax.config import ModelConfig, from_hf_dict, from_native_dict
+from qwen_jax.engine import step
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.runner import bucket
-from qwen_jax.models.decoder import forward, init_cache, make_batch
+from qwen_jax.layers.batch import ragged
 from qwen_jax.weights import (
     DictSource,
     SafetensorsSource,
@@ -30,12 +32,8 @@ from qwen_jax.weights import (
     open_checkpoint,
     read_llama2c,
 )
-
-# One jitted step shared by every engine: compilations are keyed by (cfg, shapes), so engines of the same
-# config reuse them. The cache (argument 1) is donated and comes back updated. Excess precision is off so that
-# every rounding to bf16/fp16 the layers write (where HF rounds) really happens; XLA would otherwise skip them.
-_step = jax.jit(forward, static_argnames=("cfg", "all_logits"), donate_argnums=(1,),
-                compiler_options={"xla_allow_excess_precision": False})
+from sharding import rules
+from sharding.mesh import make_mesh
 
 _MIN_TOKENS_BUCKET = 16
 # Shape fields a native config must agree on with a llama2.c header.
@@ -61,16 +59,15 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.params = params
         self.device = device
+        self.mesh = make_mesh(1, devices=[device])
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.block_size = block_size
         self.blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.blocks = BlockPool(max_num_seqs * self.blocks_per_seq + 1, block_size)
         self.slots = SlotPool(max_num_seqs + 1)
-        # Committed to `device` like the step's outputs, so the second call hits the first call's compilation.
-        with jax.default_device(device):
-            self.cache = jax.device_put(init_cache(cfg, self.blocks.num_blocks, block_size, self.slots.num_slots),
-                                        device)
+        self.cache = rules.init_cache(cfg, self.mesh, self.blocks.num_blocks, block_size, self.slots.num_slots)
+        self._no_tokens = jax.device_put(np.zeros(1, np.int32), device)  # no token comes from a previous step
         self.requests: dict[Hashable, _Request] = {}
 
     # ---- public API --------------------------------------------------------------------------------------
@@ -95,16 +92,17 @@ class Engine:
         except Exception:
             self.remove(new)
             raise
-        seq = bucket(max(p.size for p in prompts), _MIN_TOKENS_BUCKET)
-        tokens = np.zeros((len(prompts), seq), np.int32)
-        for row, prompt in enumerate(prompts):
-            tokens[row, :prompt.size] = prompt
-        # At most max_num_batched_tokens (padded) tokens per forward: the reference MoE and attention need
-        # temporaries that grow with tokens x experts and tokens x context.
-        rows = max(1, self.max_num_batched_tokens // seq)
-        logits = jnp.concatenate([
-            self._run(request_ids[i:i + rows], tokens[i:i + rows], [0] * len(prompts[i:i + rows]),
-                      [p.size for p in prompts[i:i + rows]]) for i in range(0, len(prompts), rows)])
+        # At most max_num_batched_tokens tokens per forward (the reference MoE and attention need temporaries that
+        # grow with tokens x experts and tokens x context), whole prompts each.
+        groups, group, size = [], [], 0
+        for rid, prompt in zip(request_ids, prompts, strict=True):
+            if group and size + prompt.size > self.max_num_batched_tokens:
+                groups.append(group)
+                group, size = [], 0
+            group.append((rid, prompt))
+            size += prompt.size
+        groups.append(group)
+        logits = jnp.concatenate([self._run([rid for rid, _ in g], [p for _, p in g], [0] * len(g)) for g in groups])
         for rid, prompt in zip(request_ids, prompts, strict=True):
             self.requests[rid].length = prompt.size
         return _like(logits, input_ids[0])
@@ -126,7 +124,7 @@ class Engine:
             if req.length == len(req.blocks) * self.block_size:
                 req.blocks += self.blocks.allocate(1)
         starts = [req.length for req in reqs]
-        logits = self._run(request_ids, tokens[:, None].astype(np.int32), starts, [1] * len(reqs))
+        logits = self._run(request_ids, [t[None] for t in tokens.astype(np.int32)], starts)
         for req in reqs:
             req.length += 1
         return _like(logits, token_ids)
@@ -156,21 +154,25 @@ class Engine:
             raise KeyError(f"unknown request id {rid!r} (never prefilled, or removed)")
         return self.requests[rid]
 
-    def _run(self, request_ids: list, tokens: np.ndarray, starts: list[int], lens: list[int]) -> jax.Array:
-        """Pad rows up to a batch bucket (padding rows use slot 0 and block 0) and run one jitted step."""
-        batch = len(request_ids)
-        rows = min(bucket(batch), bucket(self.max_num_seqs))
-        padded = np.zeros((rows, tokens.shape[1]), np.int32)
-        padded[:batch] = tokens
-        tables = np.zeros((rows, self.blocks_per_seq), np.int32)
-        slots = np.zeros(rows, np.int32)
-        for row, rid in enumerate(request_ids):
-            req = self.requests[rid]
-            tables[row, :len(req.blocks)] = req.blocks
-            slots[row] = req.slot
-        host = make_batch(padded, np.pad(starts, (0, rows - batch)), np.pad(lens, (0, rows - batch)), slots, tables)
-        logits, self.cache = _step(self.params, self.cache, jax.device_put(host, self.device), cfg=self.cfg)
-        return logits[:batch]
+    def _run(self, request_ids: list, tokens: list[np.ndarray], starts: list[int]) -> jax.Array:
+        """Run each request's new tokens from its start position as one flat ragged batch (tokens padded to a
+        power of two, requests to a power of two up to max_num_seqs: padding uses slot 0 and block 0) through the
+        engine's step program; the logits of each request's last token."""
+        lens = [len(t) for t in tokens]
+        num_tokens = bucket(sum(lens), _MIN_TOKENS_BUCKET)
+        num_requests = min(bucket(len(request_ids)), bucket(self.max_num_seqs))
+        reqs = [self.requests[rid] for rid in request_ids]
+        batch = ragged(starts, lens, [r.slot for r in reqs], [r.blocks for r in reqs], num_tokens, num_requests,
+                       self.blocks_per_seq)
+        flat = np.zeros(num_tokens, np.int32)
+        flat[:sum(lens)] = np.concatenate(tokens)
+        buffer, layout = step.pack(dict(
+            tokens=flat, token_source=np.full(num_tokens, -1, np.int32), **batch._asdict(),
+            sample_index=np.maximum(batch.query_start + batch.query_len - 1, 0).astype(np.int32)))
+        logits, self.cache = step.forward(self.params, self.cache, self._no_tokens,
+                                          jax.device_put(buffer, self.device), layout=layout, cfg=self.cfg,
+                                          mesh=self.mesh)
+        return logits[:len(request_ids)]
 
 
 def _to_numpy(x) -> np.ndarray:

@@ -1,12 +1,14 @@
 """Gated DeltaNet (Qwen3.5 linear attention): causal conv1d with a rolling state, L2-normed q/k, decay gates and
 the delta-rule recurrence on a float32 state, as a chunked (WY-form) scan for prefill and one step for decode.
 
-Reference math for pallas_kernels/gdn_*; state slots are read and written only at the rows `batch` names.
+Reference math for pallas_kernels/gdn_* and causal_conv, on the ragged token axis (layers/batch.py); state slots are
+read and written only at the rows the batch's requests name.
 """
 
 import jax
 import jax.numpy as jnp
 
+from qwen_jax.layers.batch import Ragged
 from qwen_jax.layers.mlp import dense, linear, linears
 from qwen_jax.layers.norms import gated_rms_norm
 
@@ -45,18 +47,49 @@ def conv_state(x: jax.Array, state: jax.Array, seq_lens: jax.Array, kernel: int)
     return jnp.where(at >= kernel - 1, from_x, from_state)
 
 
+def ragged_causal_conv(x: jax.Array, states: jax.Array, weight: jax.Array, batch: Ragged) -> jax.Array:
+    """`causal_conv`'s outputs on the ragged token axis. x: [T, C...]; states: [R, K-1, C...] (the K-1 inputs before
+    each request's first token); weight: [K, C...]. Token t of request r, i tokens into it, reads for tap j the input
+    i + j - (K-1) of its request: x[t + j - (K-1)] from 0 on, the state's row before. Padding tokens give garbage
+    that nothing reads."""
+    kernel, tokens = weight.shape[0], x.shape[0]
+    states = states.astype(x.dtype)
+    offset = jnp.arange(tokens) - batch.query_start[batch.token_request]  # [T] tokens before t in its request
+    shifted = jnp.pad(x, [(kernel - 1, 0)] + [(0, 0)] * (x.ndim - 1))
+    w = weight.astype(jnp.float32)
+    expand = (slice(None),) + (None,) * (x.ndim - 1)
+
+    def window(j):
+        from_x = shifted[j:j + tokens]  # x[t + j - (K-1)]
+        from_state = states[batch.token_request, jnp.clip(offset + j, 0, kernel - 2)]
+        return jnp.where((offset + j >= kernel - 1)[expand], from_x, from_state)
+
+    out = sum(window(j).astype(jnp.float32) * w[j] for j in range(kernel))
+    return jax.nn.silu(out.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)  # HF rounds the conv, then SiLU
+
+
+def ragged_conv_state(x: jax.Array, states: jax.Array, batch: Ragged) -> jax.Array:
+    """Each request's new conv state: the K-1 inputs ending at its last token, of its state then its tokens.
+    x: [T, C...]; states: [R, K-1, C...] -> [R, K-1, C...] in x's dtype (a padding request's state unchanged)."""
+    kernel_1, tokens = states.shape[1], x.shape[0]
+    at = batch.query_len[:, None] + jnp.arange(kernel_1)[None, :]  # [R, K-1] positions in (state, tokens)
+    from_x = x[jnp.clip(batch.query_start[:, None] + at - kernel_1, 0, tokens - 1)]
+    from_state = jnp.take_along_axis(states.astype(x.dtype),
+                                     jnp.clip(at, 0, kernel_1 - 1).reshape(at.shape + (1,) * (x.ndim - 1)), axis=1)
+    return jnp.where((at >= kernel_1).reshape(at.shape + (1,) * (x.ndim - 1)), from_x, from_state)
+
+
 def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
-                 slots: jax.Array, fresh: jax.Array, seq_lens: jax.Array
-                 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """The layer's `conv` op: `causal_conv` of each x with its state slots. xs: [B, S, C...]; caches: [slots, K-1,
-    C...] (rows `slots` read, zeros for `fresh` rows, and written back); weights: [K, C...]. Returns (outs, caches
-    with rows `slots` advanced by their seq_lens). pallas_kernels/causal_conv.py is its kernel: q, k and v in one
-    launch, a decode step's state rows updated in place."""
+                 batch: Ragged) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The layer's `conv` op: the causal conv + SiLU of each x with its requests' state slots. xs: [T, C...];
+    caches: [slots, K-1, C...] (rows batch.state_slot read, zeros for fresh requests, and written back); weights:
+    [K, C...]. Returns (outs [T, C...], caches with each request's slot advanced by its tokens).
+    pallas_kernels/causal_conv.py is its kernel: q, k and v in one launch, decode rows' state updated in place."""
     outs, new_caches = [], []
     for x, cache, w in zip(xs, caches, weights, strict=True):
-        out, state = causal_conv(x, slot_states(cache, slots, fresh), w, seq_lens)
-        outs.append(out)
-        new_caches.append(cache.at[slots].set(state.astype(cache.dtype)))
+        states = slot_states(cache, batch.state_slot, batch.fresh)
+        outs.append(ragged_causal_conv(x, states, w, batch))
+        new_caches.append(cache.at[batch.state_slot].set(ragged_conv_state(x, states, batch).astype(cache.dtype)))
     return tuple(outs), tuple(new_caches)
 
 
@@ -128,50 +161,73 @@ def slot_states(cache: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Arr
     return jnp.where(fresh.reshape((-1,) + (1,) * (cache.ndim - 1)), 0, cache[slots])
 
 
-def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, slots, fresh, seq_lens):
-    """The recurrence of one layer on its state slots (the reference of pallas_kernels/gdn_*): L2 norms, gates,
-    then one recurrent step (decode) or the chunked scan (prefill).
-    q, k: [B, S, nk, dk] after the conv, before the L2 norm; v: [B, S, nv, dv]; a, b: [B, S, nv] raw; A_log, dt_bias:
-    [nv]; ssm: [slots, nv, dk, dv] float32; slots, fresh (rows starting a sequence read zeros), seq_lens: [B].
-    Returns (out [B, S, nv, dv] in v's dtype, ssm with rows `slots` advanced by their seq_lens real tokens): out is
-    computed in float32 and rounded once, where the layer (as HF) rounds it before the gated norm."""
-    out_dtype = v.dtype
-    valid = jnp.arange(q.shape[1])[None, :] < seq_lens[:, None]
-    repeat = v.shape[2] // q.shape[2]  # value head j reads key head j // repeat
-    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=2) * q.shape[-1] ** -0.5
-    k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), repeat, axis=2)
+def chunk_items(batch: Ragged, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The step's chunks of `chunk` tokens, request by request (a request of n tokens has ceil(n / chunk), its last
+    partial), padded to the most a batch of T tokens and R requests can have, ceil(T / chunk) + R.
+    Returns (request of each chunk [NC], its tokens [NC, chunk] (T past the request's end or on padding chunks),
+    whether it is the request's first chunk [NC])."""
+    tokens, requests = batch.token_request.shape[0], batch.query_len.shape[0]
+    count = -(-batch.query_len // chunk)  # [R]
+    ends = jnp.cumsum(count)
+    item = jnp.arange(-(-tokens // chunk) + requests)
+    request = jnp.minimum(jnp.searchsorted(ends, item, side="right"), requests - 1)
+    index = item - (ends - count)[request]  # the chunk's place in its request
+    inside = index[:, None] * chunk + jnp.arange(chunk)[None, :]  # [NC, chunk] offsets in the request
+    live = (item < ends[-1])[:, None] & (inside < batch.query_len[request][:, None])
+    return request, jnp.where(live, batch.query_start[request][:, None] + inside, tokens), index == 0
+
+
+def delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, batch: Ragged):
+    """The recurrence of one layer on its requests' state slots (the reference of pallas_kernels/gdn_*): L2 norms,
+    gates, then each request's tokens chunk by chunk (the chunked WY form; a decode row is a chunk of one token).
+    q, k: [T, nk, dk] after the conv, before the L2 norm; v: [T, nv, dv]; a, b: [T, nv] raw; A_log, dt_bias: [nv];
+    ssm: [slots, nv, dk, dv] float32, rows batch.state_slot read (zeros for fresh requests) and written back.
+    Returns (out [T, nv, dv] in v's dtype, 0 on padding tokens; ssm with each request's slot advanced by its tokens):
+    out is computed in float32 and rounded once, where the layer (as HF) rounds it before the gated norm."""
+    out_dtype, tokens = v.dtype, q.shape[0]
+    valid = batch.token_valid
+    repeat = v.shape[1] // q.shape[1]  # value head j reads key head j // repeat
+    q = jnp.repeat(l2_normalize(q.astype(jnp.float32)), repeat, axis=1) * q.shape[-1] ** -0.5
+    k = jnp.repeat(l2_normalize(k.astype(jnp.float32)), repeat, axis=1)
     v = v.astype(jnp.float32)
     beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(b.dtype)  # HF computes sigmoid(b) in the model dtype
-    beta = jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0)
+    beta = jnp.where(valid[:, None], beta.astype(jnp.float32), 0.0)
     g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-    g = jnp.where(valid[..., None], g, 0.0)
-    k = jnp.where(valid[..., None, None], k, 0.0)
-    state = slot_states(ssm, slots, fresh)
-    if q.shape[1] == 1:
-        out, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
-        out = out[:, None]
-    else:
-        out, state, _ = chunked_delta_rule(q, k, v, g, beta, state)
-    return out.astype(out_dtype), ssm.at[slots].set(state)
+    g = jnp.where(valid[:, None], g, 0.0)
+
+    request, at, _ = chunk_items(batch, CHUNK_SIZE)
+    live = at < tokens
+
+    def take(x):  # [T, ...] -> [NC, chunk, ...], 0 past a request's tokens (beta = g = 0: the state is untouched)
+        rows = x[jnp.minimum(at, tokens - 1)]
+        return jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), rows, 0.0)
+
+    def step(states, item):
+        r, qc, kc, vc, gc, bc = item
+        out, state, _ = chunked_delta_rule(qc[None], kc[None], vc[None], gc[None], bc[None], states[r][None])
+        return states.at[r].set(state[0]), out[0]
+
+    states = slot_states(ssm, batch.state_slot, batch.fresh)  # [R, nv, dk, dv]
+    states, outs = jax.lax.scan(step, states, (request, take(q), take(k), take(v), take(g), take(beta)))
+    out = jnp.zeros((tokens + 1,) + outs.shape[2:], jnp.float32).at[at.reshape(-1)].set(
+        outs.reshape((-1,) + outs.shape[2:]))[:tokens]
+    return out.astype(out_dtype), ssm.at[batch.state_slot].set(states)
 
 
-def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: dict, cfg, delta_rule_op=delta_rule, dense_op=dense,
+def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: Ragged, cfg, delta_rule_op=delta_rule, dense_op=dense,
               conv_op=causal_convs) -> tuple[jax.Array, dict]:
-    """x: [B, S, H] -> ([B, S, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots).
+    """x: [T, H] -> ([T, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots).
     `delta_rule_op`, `dense_op`, `conv_op`: the recurrence (`delta_rule`), the projections' dense and the convs
     (`causal_convs`), or kernels with their contracts (layers/ops.py picks)."""
-    slots, seq_lens = batch["state_slots"], batch["seq_lens"]
-    fresh = batch["positions"][:, 0] == 0  # a sequence starting at position 0 starts from a zero state
-    q, k, v, z, b, a = linears(x, tuple(p[n] for n in "qkvzba"), dense_op)  # z: [B, S, Hv, Dv]; b, a: [B, S, Hv]
+    q, k, v, z, b, a = linears(x, tuple(p[n] for n in "qkvzba"), dense_op)  # z: [T, Hv, Dv]; b, a: [T, Hv]
     (q, k, v), (conv_q, conv_k, conv_v) = conv_op(
         (q, k, v), (cache["conv_q"], cache["conv_k"], cache["conv_v"]), (p["conv_q"], p["conv_k"], p["conv_v"]),
-        slots, fresh, seq_lens)
-
-    out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], slots, fresh, seq_lens)
+        batch)
+    out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], batch)
     out = gated_rms_norm(out.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)
     out = dense_op(out, p["out"], 2).astype(x.dtype)
     return out, {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "ssm": ssm}
 
 
 __all__ = ["gdn_layer", "delta_rule", "chunked_delta_rule", "recurrent_step", "causal_conv", "causal_convs",
-           "conv_state", "linear"]
+           "conv_state", "linear", "chunk_items"]

@@ -107,13 +107,22 @@ def routed_experts_impl(kernels: str):
     return routed_experts_f32
 
 
-def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, kernels: str = "reference") -> jax.Array:
-    """Routed experts plus, when present, a shared expert scaled by sigmoid(x @ shared_expert_gate)."""
+def drop_padding(ids: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """Routing ids [T, k] with the pairs of padding tokens sent to expert -1, which no device holds: every routed
+    experts op drops them, so padding tokens read no expert's weights."""
+    return ids if valid is None else jnp.where(valid[:, None], ids, -1)
+
+
+def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, valid: jax.Array | None = None,
+               kernels: str = "reference") -> jax.Array:
+    """Routed experts plus, when present, a shared expert scaled by sigmoid(x @ shared_expert_gate).
+    valid [T]: the real tokens (None: all); padding tokens go to no expert."""
     dense_op = dense_impl(kernels)
     shared = "shared_gate" in p
     names = ("router", "shared_gate", "shared_up", "shared_expert_gate") if shared else ("router",)
     logits, *shared_in = linears(x, tuple(p[n] for n in names), dense_op)  # the projections of x: one launch
     weights, ids = route_logits_impl(kernels)(logits, top_k, renormalize)
+    ids = drop_padding(ids, valid)
     routed = routed_experts_impl(kernels)
     out = routed(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"]).astype(x.dtype)
     if shared:

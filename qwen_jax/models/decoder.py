@@ -1,6 +1,7 @@
 """The decoder of every supported architecture (Qwen3.5 hybrid MoE/dense, Qwen3, Qwen3-MoE, LLaMA) as pure
 functions over an explicit params pytree and cache pytree.
 
+A step's tokens lie on one flat token axis (qwen_jax.layers.batch.Ragged: decode rows and prefill chunks alike).
 Layout of `params` (JAX convention, weights are [in, out]):
     embed [V, H], final_norm [H], lm_head [H, V] (absent when tied),
     layers[i] = {input_norm [H], post_norm [H], mixer: attention or gdn dict, mlp: dense or moe dict}
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.layers.attention import attention_layer
+from qwen_jax.layers.batch import Ragged
 from qwen_jax.layers.gated_deltanet import gdn_layer
 from qwen_jax.layers.mlp import swiglu_mlp
 from qwen_jax.layers.norms import rms_norm
@@ -160,36 +161,10 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, sharding
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def make_batch(tokens: np.ndarray, start_positions: np.ndarray, seq_lens: np.ndarray, state_slots: np.ndarray,
-               block_tables: np.ndarray) -> dict:
-    """Host-side batch for `forward`: tokens [B, S] (padded), the position of each row's first new token,
-    the number of real new tokens per row (0 for a padding row), recurrent-state slot and KV block table per row."""
-    tokens = np.asarray(tokens, np.int32)
-    positions = np.asarray(start_positions, np.int32)[:, None] + np.arange(tokens.shape[1], dtype=np.int32)[None]
-    seq_lens = np.asarray(seq_lens, np.int32)
-    return {
-        "tokens": tokens,
-        "positions": positions,
-        "seq_lens": seq_lens,
-        "state_slots": np.asarray(state_slots, np.int32),
-        "block_tables": np.asarray(block_tables, np.int32),
-        "context_lens": np.asarray(start_positions, np.int32) + seq_lens,
-    }
-
-
-def prepare_batch(batch: dict) -> dict:
-    """Add the [B, S] mask of real (non-padding) tokens that every layer reads (with numpy for a host batch)."""
-    seq = batch["tokens"].shape[1]
-    xp = np if isinstance(batch["seq_lens"], np.ndarray) else jnp
-    return dict(batch, valid=xp.arange(seq)[None, :] < batch["seq_lens"][:, None])
-
-
-def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig, index: int,
-                  ops: Ops | None = None) -> tuple[jax.Array, dict]:
+def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfig, index: int, ops: Ops
+                  ) -> tuple[jax.Array, dict]:
     """Layer `index`: token mixer (attention or Gated DeltaNet) and MLP/MoE, each pre-normed with a residual.
-    x: [B, S, H]; `batch` comes from prepare_batch. Returns (x, the layer's updated cache).
-    `ops`: the hot ops (default: ops_for(cfg.kernels); sharding/ops.py gives a mesh's)."""
-    ops = ops or ops_for(cfg.kernels)
+    x: [T, H] on the batch's token axis. Returns (x, the layer's updated cache)."""
     h = ops.norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     if cfg.layer_types[index] == FULL_ATTENTION:
         h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()), ops.attention,
@@ -198,34 +173,32 @@ def decoder_layer(x: jax.Array, p: dict, c: dict, batch: dict, cfg: ModelConfig,
         h, c = gdn_layer(h, p["mixer"], c, batch, cfg, ops.delta_rule, ops.dense, ops.conv)
     x = x + h
     h = ops.norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-    flat = h.reshape(-1, h.shape[-1])
     if cfg.is_moe_layer(index):
-        flat = ops.moe(flat, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        h = ops.moe(h, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob, batch.token_valid)
     else:
-        flat = swiglu_mlp(flat, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"], ops.dense)
-    return x + flat.reshape(h.shape), c
+        h = swiglu_mlp(h, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"], ops.dense)
+    return x + h, c
 
 
-def logits_head(x: jax.Array, params: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False) -> jax.Array:
-    """Final norm and LM head: float32 logits of each row's last real token [B, V] (or of every token)."""
-    if not all_logits:
-        last = jnp.maximum(batch["seq_lens"] - 1, 0)
-        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+def logits_head(x: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
+    """Final norm and LM head: x [N, H] -> float32 logits [N, V]."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.matmul(x, head, preferred_element_type=F32)
 
 
-def forward(params: dict, cache: dict, batch: dict, cfg: ModelConfig, all_logits: bool = False,
-            ops: Ops | None = None) -> tuple[jax.Array, dict]:
-    """Run new tokens [B, S] of B sequences through the model, reading and updating their cache entries.
-    Returns (float32 logits of each row's last real token [B, V], or of every token [B, S, V]; new cache).
-    `ops`: the hot ops (default: ops_for(cfg.kernels)); sharding/ops.py gives the ones partitioned for a mesh.
-    (The engine runs the same three pieces as separately compiled programs: see engine/runner.py.)"""
-    batch = prepare_batch(batch)
-    x = params["embed"][batch["tokens"]]
+def forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: ModelConfig,
+            ops: Ops | None = None, sample_index: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """Run a step's new tokens [T] (the flat ragged batch `batch`) through the model, reading and updating the
+    cache entries of its requests. Returns (float32 logits of the tokens `sample_index` [N] -> [N, V], or of every
+    token [T, V] when None; the new cache). `ops`: the hot ops (default: ops_for(cfg.kernels)); sharding/ops.py
+    gives the ones partitioned for a mesh. The engine's step program (engine/step.py) is this, jitted."""
+    ops = ops or ops_for(cfg.kernels)
+    x = params["embed"][tokens]
     new_layers = []
-    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"])):
+    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"], strict=True)):
         x, c = decoder_layer(x, p, c, batch, cfg, i, ops)
         new_layers.append(c)
-    return logits_head(x, params, batch, cfg, all_logits), {"layers": new_layers}
+    if sample_index is not None:
+        x = x[sample_index]
+    return logits_head(x, params, cfg), {"layers": new_layers}

@@ -19,7 +19,7 @@ import transformers
 
 from qwen_jax import LLM
 from qwen_jax.default_model import ensure_default_model
-from qwen_jax.engine import runner, skeleton
+from qwen_jax.engine import step
 
 HYBRID_VOCAB = 517  # the default model's tokenizer: 512 BPE tokens + 5 added
 LLAMA_VOCAB = 128
@@ -138,19 +138,18 @@ def assert_idle(llm: LLM) -> None:
     stats = engine.stats()
     assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
     assert (stats["kv_blocks_used"], stats["state_slots_used"]) == (0, 0)
-    for core in engine.cores:
-        assert core.blocks.num_free == core.blocks.num_usable
-        assert not any(core.blocks.ref_counts)
-        if core.slots is not None:
-            assert core.slots.num_free == core.slots.num_slots - 1 and not core.slots.in_use
-    assert not engine.seqs
+    for replica in engine.replicas:
+        assert replica.blocks.num_free == replica.blocks.num_usable
+        assert not any(replica.blocks.ref_counts)
+        assert replica.slots.num_free == replica.slots.num_slots - 1 and not replica.slots.in_use
+    assert not engine.seqs and not engine.has_unfinished and not llm.output.requests
 
 
 def compile_counts() -> dict[str, int]:
-    """Entries in the compile caches of every jitted engine function."""
-    step = runner._embed._cache_size() + runner._layers._cache_size() + runner._head_sample._cache_size()
-    return {"step": step, "restore": runner._restore_snapshots._cache_size(),
-            "save": runner._save_snapshots._cache_size(), "skeleton": skeleton._step._cache_size()}
+    """Entries in the compile caches of every jitted engine program."""
+    return {"forward": step.forward._cache_size(), "sample": step.sample_step._cache_size(),
+            "restore": step.restore_snapshots._cache_size(), "save": step.save_snapshots._cache_size(),
+            "penalties": step.init_penalties._cache_size()}
 
 
 @pytest.fixture(scope="session")

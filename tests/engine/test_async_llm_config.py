@@ -9,7 +9,7 @@ from qwen_jax.llm import AsyncLLM
 
 def test_async_llm_limits_known_before_start(hybrid_dir, kit):
     default = AsyncLLM.from_engine_args(hybrid_dir)
-    assert default.engine is None
+    assert not default.is_ready()  # no core process yet
     assert default.max_model_len == 256  # max_position_embeddings, under the 8192 cap
     assert default.eos_token_ids == [512, kit.EOS]  # config and generation_config
     assert default.config.vocab_size == kit.HYBRID_VOCAB

@@ -4,12 +4,10 @@ lengths and parameters, prefix-cache hits included) reuses the compiled step, sn
 Counts the entries of the jitted functions' compile caches.
 """
 
-from types import SimpleNamespace
-
 import numpy as np
 
 from qwen_jax import LLM, SamplingParams
-from qwen_jax.engine.runner import step_groups, step_shapes
+from qwen_jax.engine import step
 
 
 def workload(kit, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -37,37 +35,31 @@ def test_no_recompilation_in_steady_state(engines, kit):
     kit.assert_idle(llm)
 
 
-def test_step_shapes_cover_every_plan():
-    """Whatever rows a step holds (up to max_num_seqs rows, prefill chunks within the token budget and the model
-    length), the padded shapes its programs run are among step_shapes: a full warm-up compiles them all."""
+def test_token_buckets_cover_every_plan():
+    """Whatever a step holds (up to max_num_seqs requests, any mix of decode rows and prefill chunks within the token
+    budget), its tokens fit a bucket and its requests fit that bucket's request count: a full warm-up, which
+    compiles one forward per bucket, compiles every forward serving can run."""
     rng = np.random.default_rng(0)
-    for max_num_seqs, budget, max_len in [(64, 2048, 2304), (48, 3000, 512), (4, 64, 64), (1, 2048, 8192)]:
-        shapes = set(step_shapes(max_num_seqs, budget, max_len))
-        seen = set()
+    for max_num_seqs, budget in [(64, 2048), (48, 3000), (4, 64), (1, 2048), (256, 2048)]:
+        buckets = step.token_buckets(budget, max_num_seqs)
+        assert buckets[-1] == budget and buckets == sorted(set(buckets))
         for _ in range(300):
-            num_decode = int(rng.integers(0, max_num_seqs + 1))
-            left, prefill = min(budget - num_decode, max_len), []
-            while left >= 2 and num_decode + len(prefill) < max_num_seqs and rng.random() < 0.8:
-                n = int(rng.integers(2, left + 1)) if rng.random() < 0.5 else int(rng.integers(2, min(left, 40) + 1))
-                prefill.append(SimpleNamespace(num_tokens=n))
-                left -= n
-            decode = [SimpleNamespace(num_tokens=1)] * num_decode
-            for rows, seq_len, batch_size in step_groups(decode, prefill, budget):
-                assert len(rows) <= batch_size and len(rows) * seq_len <= max(budget, seq_len)
-                assert all(r.num_tokens <= seq_len for r in rows)
-                seen.add((batch_size, seq_len))
-        assert seen <= shapes, sorted(seen - shapes)
-        assert len(seen) > len(shapes) // 2  # the plans drawn reach most shapes: the check is not vacuous
+            requests = int(rng.integers(1, max_num_seqs + 1))
+            tokens = int(rng.integers(requests, max(requests, budget) + 1)) if requests <= budget else None
+            if tokens is None:
+                continue
+            size = step.bucket_for(tokens, buckets)
+            assert size >= tokens and step.request_bucket(size, max_num_seqs) >= requests
+            assert size < 2 * tokens or size <= 1 or size == buckets[0]  # never more than twice the tokens
 
 
 def test_full_warmup_leaves_nothing_to_compile(llama_dir, kit):
     """After warmup(full=True) a mixed workload (prefill chunks of several lengths next to decode rows, batch sizes
-    1 to max_num_seqs) compiles no step program: serving never stalls on a compile. kernels="gpu" uses full-width
-    block tables, so (rows, length) is the whole shape."""
+    1 to max_num_seqs) compiles no forward: serving never stalls on a compile."""
     llm = LLM(llama_dir, kernels="gpu", **kit.ENGINE_ARGS)
     llm.engine.warmup(full=True)
     warm = kit.compile_counts()
     prompts = [kit.prompt(n, seed=700 + n, vocab=kit.LLAMA_VOCAB) for n in (3, 40, 17, 60, 9, 33)]
     outs = llm.generate(prompts, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * len(prompts))
     assert [len(o.token_ids) for o in outs] == [4] * len(prompts)
-    assert kit.compile_counts()["step"] == warm["step"]
+    assert kit.compile_counts()["forward"] == warm["forward"]

@@ -9,7 +9,7 @@ from qwen_jax import SamplingParams
 
 def test_preemption_under_a_small_pool_loses_nothing(engines, kit, monkeypatch):
     llm = engines("hybrid", False)
-    scheduler = llm.engine.cores[0].scheduler
+    scheduler = llm.engine.replicas[0].scheduler
     prompts = [kit.prompt(40, seed=400 + i) for i in range(4)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]

@@ -5,17 +5,42 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen_jax.engine.sampler import TOP_K_FAST_MAX, SamplingTensors, TokenHistory, apply_penalties, sample
+from qwen_jax.engine import sampler
+from qwen_jax.engine.sampler import TOP_K_FAST_MAX, SamplingTensors, apply_penalties, cut_path, init_penalty_rows
 from qwen_jax.sampling_params import SamplingParams as SP
 
 V = 64  # most tests share (B=64, V=64, K=0) so they share one compilation
 B = 64
 
 
-def build(params, vocab=V, batch=B, num_generated=None, histories=None, eos=(), step_seed=0):
+def build(params, vocab=V, batch=B, num_generated=None, eos=(), step_seed=0):
+    """Tensors for `params` (row i's penalty counts in row i of `counts_for`'s array)."""
     n = len(params)
-    return SamplingTensors.build(params, num_generated or [0] * n, histories or [None] * n, vocab_size=vocab,
-                                 batch_size=batch, eos_token_ids=eos, step_seed=step_seed)
+    return SamplingTensors.build(params, num_generated or [0] * n, list(range(n)), vocab_size=vocab,
+                                 batch_size=batch, eos_token_ids=eos, step_seed=step_seed, num_penalty_rows=batch)
+
+
+def counts_for(histories, vocab=V, batch=B):
+    """Penalty counts [batch, vocab] with row i made from histories[i] = (prompt ids, output ids) (None: empty)."""
+    rows, length = len(histories), 16
+    while length < max((len(p) + len(o) for p, o in filter(None, histories)), default=0):
+        length *= 2
+    ids = np.zeros((rows, length), np.int32)
+    num_prompt, num_tokens = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    for i, h in enumerate(histories):
+        if h is not None:
+            tokens = list(h[0]) + list(h[1])
+            ids[i, :len(tokens)], num_prompt[i], num_tokens[i] = tokens, len(h[0]), len(tokens)
+    return init_penalty_rows(jnp.zeros((batch, vocab), jnp.int32), jnp.arange(rows), jnp.asarray(ids),
+                             jnp.asarray(num_prompt), jnp.asarray(num_tokens))
+
+
+def sample(logits, tensors, counts=None, *, num_top_logprobs, params=None):
+    """The sampler as the runner calls it: the cut path chosen from the rows' params on the host (the sort path,
+    exact for any batch, when not given). The counts are donated: a copy goes in."""
+    path = 2 if params is None else cut_path(params, logits.shape[1])
+    counts = None if counts is None else jnp.copy(counts)
+    return sampler.sample(logits, tensors, counts, num_top_logprobs=num_top_logprobs, path=path)[0]
 
 
 def pad_rows(row_logits, batch=B):
@@ -37,7 +62,8 @@ def crafted_logits(seed=0, vocab=V):
 def draw_many(row_logits, params, steps=16, vocab=V):
     """B rows of the same logits and params, unseeded, over `steps` engine steps: B * steps draws."""
     logits = jnp.asarray(np.tile(row_logits, (B, 1)))
-    out = [np.asarray(sample(logits, build([params] * B, vocab=vocab, step_seed=s), num_top_logprobs=0).tokens)
+    out = [np.asarray(sample(logits, build([params] * B, vocab=vocab, step_seed=s), num_top_logprobs=0,
+                             params=[params] * B).tokens)
            for s in range(steps)]
     return np.concatenate(out)
 
@@ -46,8 +72,8 @@ def test_greedy_rows_are_exact_argmax_even_beside_sampled_rows():
     logits = np.random.default_rng(1).normal(size=(B, V)).astype(np.float32) * 4
     params = [SP(temperature=0.0) if i % 2 == 0 else SP(temperature=1.0, top_p=0.5, repetition_penalty=1.1)
               for i in range(B)]
-    histories = [TokenHistory([1, 2, 3]) for _ in range(B)]
-    tokens = np.asarray(sample(jnp.asarray(logits), build(params, histories=histories), num_top_logprobs=5).tokens)
+    counts = counts_for([([1, 2, 3], [])] * B)
+    tokens = np.asarray(sample(jnp.asarray(logits), build(params), counts, num_top_logprobs=5, params=params).tokens)
     np.testing.assert_array_equal(tokens[::2], logits[::2].argmax(-1))
     assert tokens.dtype == np.int32
 
@@ -68,7 +94,7 @@ def test_seeded_row_ignores_batch_position_and_composition(params):
     alone, crowded = [], []
     for step in range(12):
         plain = build([params, SP(temperature=0)], num_generated=[step, 0], step_seed=1000 + step)
-        alone.append(int(sample(pad_rows([row]), plain, num_top_logprobs=0).tokens[0]))
+        alone.append(int(sample(pad_rows([row]), plain, num_top_logprobs=0, params=[params]).tokens[0]))
         others = [SP(temperature=1.0, top_p=0.3), SP(temperature=0.5, top_k=TOP_K_FAST_MAX + 1), SP(seed=5)]
         batch_params = [others[i % 3] for i in range(B)]
         batch_params[37] = params
@@ -76,7 +102,7 @@ def test_seeded_row_ignores_batch_position_and_composition(params):
         rows[37] = row
         done = [step if i == 37 else 3 for i in range(B)]
         crowded.append(int(sample(jnp.asarray(rows), build(batch_params, num_generated=done, step_seed=step),
-                                  num_top_logprobs=0).tokens[37]))
+                                  num_top_logprobs=0, params=batch_params).tokens[37]))
     assert alone == crowded
     assert len(set(alone)) > 1  # the counter advances the key every step
 
@@ -132,7 +158,7 @@ def test_cuts_at_full_vocab_on_the_sort_path():
     logits[0, top[0, :3]] += 12.0  # row 0: three tokens hold almost all the mass
     params = [SP(top_p=0.9, seed=s) for s in range(2)]
     tokens = np.stack([np.asarray(sample(jnp.asarray(logits), SamplingTensors.build(
-        params, [s, s], [None, None], vocab_size=vocab, batch_size=2), num_top_logprobs=0).tokens)
+        params, [s, s], vocab_size=vocab, batch_size=2), num_top_logprobs=0, params=params).tokens)
         for s in range(2)])
     assert set(tokens[:, 0].tolist()) <= set(top[0, :3].tolist())
 
@@ -158,14 +184,10 @@ def test_penalties_change_logits_exactly_as_the_formulas():
     outputs = [[3, 8, 8, 8, 9], [5, 10], [11, 11]]
     params = [SP(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
               SP(repetition_penalty=0.8, frequency_penalty=-1.0), SP(presence_penalty=-2.0)]
-    histories = []
-    for prompt, out in zip(prompts, outputs, strict=True):
-        h = TokenHistory(prompt)
-        h.append(out[:2])
-        h.append(out[2:])
-        histories.append(h)
-    t = SamplingTensors.build(params, [len(o) for o in outputs], histories, vocab_size=V, batch_size=4)
-    got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(np.concatenate([logits, np.zeros((1, V), np.float32)])), t))
+    counts = counts_for(list(zip(prompts, outputs, strict=True)), batch=4)
+    t = build(params, batch=4)
+    padded = jnp.asarray(np.concatenate([logits, np.zeros((1, V), np.float32)]))
+    got = np.asarray(jax.jit(apply_penalties)(padded, t, counts))
     expected = np.concatenate([logits, np.zeros((1, V), np.float32)])
     for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs, strict=True)):
         r = np.float32(p.repetition_penalty)
@@ -182,33 +204,36 @@ def test_penalties_change_logits_exactly_as_the_formulas():
 def test_repetition_penalty_flips_greedy_choice():
     row = np.zeros(V, np.float32)
     row[10], row[11] = 2.0, 1.8
-    h = TokenHistory([10])
-    # (B, K) = (64, 5) with penalties, like the logprobs test below: one compilation for both
-    # a third, penalised row keeps L = 16 in both calls
-    plain = sample(pad_rows([row, row]), build([SP(temperature=0)] * 2 + [SP(repetition_penalty=2.0)],
-                                                histories=[h, h, h]), num_top_logprobs=5)
-    penal = sample(pad_rows([row, row]), build([SP(temperature=0, repetition_penalty=1.2)] * 2, histories=[h, h]),
+    counts = counts_for([([10], [])] * 3)
+    plain = sample(pad_rows([row, row]), build([SP(temperature=0)] * 2 + [SP(repetition_penalty=2.0)]), counts,
+                   num_top_logprobs=5)
+    penal = sample(pad_rows([row, row]), build([SP(temperature=0, repetition_penalty=1.2)] * 2), counts,
                    num_top_logprobs=5)
     assert plain.tokens[:2].tolist() == [10, 10] and penal.tokens[:2].tolist() == [11, 11]
     assert plain.top_ids[0, :2].tolist() == penal.top_ids[0, :2].tolist() == [10, 11]  # logprobs stay raw
 
 
-def test_token_history_keeps_distinct_ids_and_output_counts():
-    h = TokenHistory([5, 1, 5, 9])
-    for t in [9, 70, 70] + list(range(100, 200)):
-        h.append([t])
-    counts = dict(zip(h.ids.tolist(), h.output_counts.tolist(), strict=True))
-    assert len(counts) == len(h.ids) == 3 + 1 + 100
-    assert counts[5] == 0 and counts[9] == 1 and counts[70] == 2 and counts[150] == 1
-    assert h.num_output_tokens == 103
+def test_penalty_counts_follow_each_penalised_rows_tokens_on_the_device():
+    """A row's counts: 0 for never-seen ids, 1 + output occurrences for seen ones; the sampler counts each new token
+    of a penalised row (and only of those) into its row, where the next step's penalties read it."""
+    counts = counts_for([([5, 1, 5, 9], [9, 60]), ([2], []), None], batch=4)
+    np.testing.assert_array_equal(np.asarray(counts[0, [5, 1, 9, 60, 2]]), [1, 1, 2, 2, 0])
+    row = np.full(V, -1e4, np.float32)
+    row[60] = 0.0  # every row samples 60
+    params = [SP(temperature=0, frequency_penalty=0.1), SP(temperature=0), SP(temperature=0, presence_penalty=0.1)]
+    tokens, counts = sampler.sample(pad_rows([row] * 3, batch=4), build(params, batch=4), counts, num_top_logprobs=0,
+                                    path=0)
+    assert tokens.tokens[:3].tolist() == [60, 60, 60]
+    np.testing.assert_array_equal(np.asarray(counts[:3, 60]), [3, 0, 2])  # row 1 has no penalty: not counted
+    np.testing.assert_array_equal(np.asarray(counts[0, [5, 9]]), [1, 2])
 
 
 def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
     rng = np.random.default_rng(8)
     logits = rng.normal(size=(B, V)).astype(np.float32) * 2
     params = [SP(temperature=0.7, top_p=0.9, seed=i, repetition_penalty=1.5) for i in range(B)]
-    histories = [TokenHistory(rng.integers(0, V, 10).tolist()) for _ in range(B)]
-    out = sample(jnp.asarray(logits), build(params, histories=histories), num_top_logprobs=5)
+    counts = counts_for([(rng.integers(0, V, 10).tolist(), []) for _ in range(B)])
+    out = sample(jnp.asarray(logits), build(params), counts, num_top_logprobs=5, params=params)
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(B), tokens], rtol=1e-6)

@@ -1,18 +1,34 @@
-"""The GDN causal conv kernel (pallas_kernels/causal_conv.py) on the CPU: Triton's interpreter runs the kernel source
-(launched by test_moe_triton's stand-in for jax_triton.triton_call, which poisons outputs with NaN) against the
-reference (qwen_jax.layers.gated_deltanet.causal_conv): ragged rows, rows shorter than the conv's state, tokens and
-channels that do not fill a tile, one to three inputs in one launch. Float32, as the other interpreted kernels.
-tests/models/test_causal_conv.py covers the reference itself."""
+"""The GDN causal conv kernels (pallas_kernels/causal_conv.py) on the CPU: Triton's interpreter runs the kernel source
+(launched by test_moe_triton's stand-in for jax_triton.triton_call, which poisons outputs with NaN, so a token no
+launch wrote shows) against the layers' `conv` op reference (qwen_jax.layers.gated_deltanet.causal_convs) on ragged
+batches: decode rows and prefill chunks mixed, chunks starting mid-sequence, fresh requests with garbage in their
+slot, requests shorter than the conv's state, one-token prompts, requests shuffled on the token axis between padding
+tokens, padding requests, slots out of order with untouched ones between.
+
+Float32 only: the interpreter rounds bf16 differently (triton 3.6). The new states (copies) are bitwise the
+reference's; the outputs agree to float32 rounding, since XLA:CPU contracts the reference's multiply-adds and its
+exp is not numpy's. scripts/check_causal_conv_gpu.py holds both bitwise on a GPU, bf16 included.
+tests/models/test_causal_conv.py covers the reference's conv itself."""
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_moe_triton import interpreted_call  # tests/kernels is on sys.path (pytest's prepend mode)
 
-from qwen_jax.layers.gated_deltanet import causal_conv, causal_convs
+from qwen_jax.layers.batch import Ragged
+from qwen_jax.layers.gated_deltanet import causal_convs
 from qwen_jax.layers.ops import ops_for
+
+EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles
+reference = jax.jit(causal_convs, compiler_options=EXACT)
+
+QKV = [(2, 8), (2, 8), (4, 8)]  # GDN-like q, k, v: (heads, head dim)
+# (start position, new tokens) of each request: decode rows, a one-token prompt, chunks mid-sequence, a fresh
+# prompt, chunks and a prompt shorter than the conv's state (K - 1 = 3), a chunk of exactly K - 1 tokens
+MIXED = [(9, 1), (3, 1), (0, 1), (12, 23), (0, 17), (5, 2), (0, 2), (7, 3), (1, 1), (40, 6)]
 
 
 @pytest.fixture(scope="module")
@@ -23,84 +39,87 @@ def causal_conv_kernel():
     return module
 
 
-def make_inputs(seed, batch, seq, shapes, kernel=4):
+def shuffled_batch(rng, requests, num_tokens, num_requests) -> Ragged:
+    """A Ragged of `requests` ((start position, new tokens, slot) each) at random request indices among
+    `num_requests` (the others padding requests), laid out on the token axis in another random order, with padding
+    tokens before, between and after them."""
+    count, total = len(requests), sum(n for _, n, _ in requests)
+    index = rng.permutation(num_requests)[:count]
+    gaps = rng.multinomial(num_tokens - total, np.full(count + 1, 1 / (count + 1)))
+    query_start, query_len, context_len, state_slot = (np.zeros(num_requests, np.int32) for _ in range(4))
+    fresh = np.zeros(num_requests, bool)
+    positions, token_request = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
+    token_valid = np.zeros(num_tokens, bool)
+    at = 0
+    for gap, i in zip(gaps, rng.permutation(count)):
+        start, n, slot = requests[i]
+        r, at = index[i], at + gap
+        query_start[r], query_len[r], context_len[r], state_slot[r], fresh[r] = at, n, start + n, slot, start == 0
+        token_request[at:at + n], positions[at:at + n], token_valid[at:at + n] = r, start + np.arange(n), True
+        at += n
+    return Ragged(positions=positions, token_request=token_request, token_valid=token_valid, query_start=query_start,
+                  query_len=query_len, context_len=context_len, state_slot=state_slot, fresh=fresh,
+                  block_table=np.zeros((num_requests, 1), np.int32))
+
+
+def make_case(seed, requests, shapes, num_tokens, num_requests, kernel=4):
+    """Inputs, caches of 2 * len(requests) + 1 slots (random: fresh requests' slots hold garbage), weights, and a
+    shuffled batch whose requests take distinct random slots from 1 (slot 0 is the padding requests' sink)."""
     rng = np.random.default_rng(seed)
     normal = lambda shape, scale=1.0: jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    xs = tuple(normal((batch, seq) + s) for s in shapes)
-    states = tuple(normal((batch, kernel - 1) + s) for s in shapes)
+    num_slots = 2 * len(requests) + 1
+    slots = rng.permutation(np.arange(1, num_slots))[:len(requests)]
+    batch = shuffled_batch(rng, [(s, n, int(slot)) for (s, n), slot in zip(requests, slots)], num_tokens,
+                           num_requests)
+    xs = tuple(normal((num_tokens,) + s) for s in shapes)
+    caches = tuple(normal((num_slots, kernel - 1) + s) for s in shapes)
     weights = tuple(normal((kernel,) + s, 0.5) for s in shapes)
-    return xs, states, weights
+    return xs, caches, weights, batch
 
 
-@pytest.mark.parametrize("seed,batch,seq,shapes,seq_lens,tiles", [
-    (0, 3, 37, [(2, 8), (2, 8), (4, 8)], [37, 2, 20], dict(block_t=16, block_c=16)),  # GDN-like q, k, v
-    (1, 2, 5, [(3, 6)], [5, 1], dict(block_t=4, block_c=8)),  # 18 channels: a partial channel block
-    (2, 1, 64, [(16,), (24,)], [64], dict(block_t=32, block_c=16)),  # two inputs; tiles fill the tokens exactly
+@pytest.mark.parametrize("seed,requests,shapes,tokens,num_requests,kernel,tiles", [
+    (0, MIXED, QKV, 100, 14, 4, dict(block_t=16, block_c=16, request_block_c=16)),  # a partial token block
+    (1, MIXED, QKV, 100, 14, 4, {}),  # the default tiles: a token block spans every request
+    (2, MIXED[:6], [(3, 6)], 64, 8, 4, dict(block_t=8, block_c=8, request_block_c=8)),  # 18 channels: partial blocks
+    (3, MIXED, [(16,), (24,)], 90, 12, 2, dict(block_t=32, block_c=16, request_block_c=16)),  # two inputs, K = 2
+    (4, [(5, 1), (0, 1), (17, 1), (2, 1), (30, 1), (1, 1)], QKV, 8, 8, 4, dict(request_block_c=16)),  # decode step
+    (5, [(0, 40), (64, 33), (3, 2)], QKV, 80, 4, 4, dict(block_t=16, block_c=16)),  # prefill only
 ])
-def test_kernel_matches_reference(causal_conv_kernel, seed, batch, seq, shapes, seq_lens, tiles):
-    xs, states, weights = make_inputs(seed, batch, seq, shapes)
-    lens = jnp.asarray(seq_lens, jnp.int32)
-    got = causal_conv_kernel.prefill_convs(xs, states, weights, lens, triton_call=interpreted_call, **tiles)
-    assert len(got) == len(xs)
-    for (out, state), x, s0, w in zip(got, xs, states, weights):
-        want_out, want_state = causal_conv(x, s0, w, lens)
-        assert out.shape == x.shape and state.shape == s0.shape
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(np.asarray(state), np.asarray(want_state))
+def test_kernels_match_the_reference(causal_conv_kernel, seed, requests, shapes, tokens, num_requests, kernel, tiles):
+    """Outputs of the real tokens as the reference's, 0 on padding tokens; every cache slot as the reference leaves
+    it: the requests' advanced, the others (the sink and unused slots) untouched."""
+    xs, caches, weights, batch = make_case(seed, requests, shapes, tokens, num_requests, kernel)
+    got_outs, got_caches = causal_conv_kernel.causal_convs(xs, caches, weights, batch, triton_call=interpreted_call,
+                                                           **tiles)
+    want_outs, want_caches = reference(xs, caches, weights, batch)
+    valid = batch.token_valid
+    for got, want, x in zip(got_outs, want_outs, xs, strict=True):
+        assert got.shape == x.shape and got.dtype == x.dtype
+        got = np.asarray(got)
+        np.testing.assert_allclose(got[valid], np.asarray(want)[valid], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got[~valid], 0.0)
+    untouched = np.setdiff1d(np.arange(caches[0].shape[0]), batch.state_slot[batch.query_len > 0])
+    for got, want, cache in zip(got_caches, want_caches, caches, strict=True):
+        assert got.shape == cache.shape and got.dtype == cache.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(cache)[untouched])
 
 
 def test_mismatched_inputs_are_refused(causal_conv_kernel):
-    xs, states, weights = make_inputs(3, 2, 8, [(4,), (4,)])
+    xs, caches, weights, batch = make_case(6, MIXED[:3], [(4,), (4,)], 8, 4)
     with pytest.raises(ValueError, match="do not match"):
-        causal_conv_kernel.prefill_convs(xs, (states[0], states[1][:, :2]), weights, jnp.array([8, 8]),
-                                         triton_call=interpreted_call)
+        causal_conv_kernel.causal_convs(xs, (caches[0], caches[1][:, :2]), weights, batch,
+                                        triton_call=interpreted_call)
+    with pytest.raises(ValueError, match="do not match"):
+        causal_conv_kernel.causal_convs(xs, (caches[0], caches[1].astype(jnp.bfloat16)), weights, batch,
+                                        triton_call=interpreted_call)
     with pytest.raises(ValueError, match="one to three"):
-        causal_conv_kernel.prefill_convs(xs * 2, states * 2, weights * 2, jnp.array([8, 8]),
-                                         triton_call=interpreted_call)
-
-
-def make_step(seed, batch, shapes, num_slots, kernel=4):
-    """A decode step: one token a row, each row on its own slot of caches [num_slots, K-1, ...]."""
-    rng = np.random.default_rng(seed)
-    normal = lambda shape, scale=1.0: jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    xs = tuple(normal((batch, 1) + s) for s in shapes)
-    caches = tuple(normal((num_slots, kernel - 1) + s) for s in shapes)
-    weights = tuple(normal((kernel,) + s, 0.5) for s in shapes)
-    return xs, caches, weights
-
-
-@pytest.mark.parametrize("shapes,tiles", [([(2, 8), (2, 8), (4, 8)], dict(block_c=16)),  # q, k, v
-                                          ([(3, 6)], dict(block_c=8))])  # one input, a partial channel block
-def test_decode_step_updates_the_slots_in_place(causal_conv_kernel, shapes, tiles):
-    """Rows on slots out of order, a fresh row (reads zeros), a padding row (seq_len 0, keeps its state): outputs
-    and every slot of the caches as the reference leaves them (untouched slots included)."""
-    xs, caches, weights = make_step(5, 4, shapes, num_slots=7)
-    slots = jnp.array([5, 2, 6, 0], jnp.int32)
-    fresh = jnp.array([False, True, False, False])
-    lens = jnp.array([1, 1, 1, 0], jnp.int32)
-    got_outs, got_caches = causal_conv_kernel.decode_convs(xs, caches, weights, slots, fresh, lens,
-                                                           triton_call=interpreted_call, **tiles)
-    want_outs, want_caches = causal_convs(xs, caches, weights, slots, fresh, lens)
-    for got, want in zip(got_outs + got_caches, want_outs + want_caches, strict=True):
-        assert got.shape == want.shape
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-
-
-def test_prefill_op_writes_its_slots(causal_conv_kernel):
-    """The op on a prefill: states gathered from the slots (zeros for fresh rows), written back after."""
-    xs, _, weights = make_inputs(6, 2, 9, [(4,), (4,), (8,)])
-    caches = make_step(7, 2, [(4,), (4,), (8,)], num_slots=4)[1]
-    args = (xs, caches, weights, jnp.array([3, 1], jnp.int32), jnp.array([True, False]), jnp.array([9, 5]))
-    got = causal_conv_kernel.causal_convs(*args, triton_call=interpreted_call)
-    want = causal_convs(*args)
-    for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+        causal_conv_kernel.causal_convs(xs * 2, caches * 2, weights * 2, batch, triton_call=interpreted_call)
 
 
 def test_op_takes_the_reference_where_triton_cannot_run():
     """On the CPU (no jax-triton) the layers' `conv` op of kernels="gpu" is the reference itself."""
-    xs, caches, weights = make_step(4, 2, [(4,), (4,), (8,)], num_slots=3)
-    args = (xs, caches, weights, jnp.array([2, 0], jnp.int32), jnp.array([False, True]), jnp.array([1, 1]))
-    got, want = ops_for("gpu").conv(*args), causal_convs(*args)
+    args = make_case(7, MIXED, QKV, 64, 12)
+    got, want = jax.jit(ops_for("gpu").conv, compiler_options=EXACT)(*args), reference(*args)
     for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -1,168 +1,140 @@
-"""The Gated DeltaNet chunked-prefill kernels (Pallas, interpret mode on CPU) against their jnp reference: ragged
-seq_lens (0, 1, one chunk exactly, several chunks, a partial last chunk), GQA key-head repeats, dk != dv, several
-value blocks, nonzero initial states, NaN in every padding token; plus their lowering to Triton for CUDA. Never needs
-a GPU. (The NaN poison of unwritten outputs in interpret mode: tests/kernels/test_gdn_decode.py.)"""
+"""The Gated DeltaNet op's kernels (pallas_kernels/gdn.py: the decode kernel and the chunked prefill kernels;
+Pallas, interpret mode on CPU) on mixed ragged batches against the jnp reference: decode rows beside prefill chunks
+that start mid-sequence or fresh, one- and two-token prompts, a request of exactly one chunk, partial last chunks,
+requests in a shuffled order at any offset, padding tokens (NaN) and padding requests, non-contiguous slots; GQA key
+heads, dk != dv, several value blocks; plus their lowering to Triton for CUDA. Never needs a GPU. (Decode-only
+batches and the NaN poison of unwritten outputs in interpret mode: tests/kernels/test_gdn_decode.py.)"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gdn_batches import check_against_reference, device_batch, make_inputs, poison, run_kernel, shuffled_batch
 from jax import export
 
-from pallas_kernels.gdn_prefill import default_tiles, gdn_prefill, reference, select
+from pallas_kernels.gdn import delta_rule
+from pallas_kernels.gdn_prefill import default_tiles, work_items
+from qwen_jax.layers.batch import ragged
+from qwen_jax.layers.gated_deltanet import chunk_items
 
-RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # max |kernel - reference| / max |reference|; bf16: the kernel's dot
-# operands are bf16, the reference computes in float32 from the same (bf16) inputs
-run_kernel = jax.jit(gdn_prefill, static_argnames=("chunk_size", "block_v"))
-_jitted_reference = jax.jit(reference)
-
-
-def run_reference(**inputs):
-    """The reference in float32 throughout: on a GPU, XLA's default would take float32 dots as TF32 (~5e-4 off),
-    where the kernel's float32 dots are IEEE; on the CPU this changes nothing."""
-    with jax.default_matmul_precision("highest"):
-        return _jitted_reference(**inputs)
+# (lens, starts, slots): a request mid-sequence over three chunks of 16 and a partial one, a decode row, a fresh
+# prompt with a partial chunk, a one-token prompt, a two-token chunk mid-sequence, exactly one chunk of 16, a fresh
+# prompt of two chunks and a token
+MIXED = ([37, 1, 21, 1, 2, 16, 33], [20, 7, 0, 0, 5, 3, 0], [2, 5, 9, 3, 7, 11, 14])
 
 
-def make_inputs(seed: int, batch: int, seq: int, nk: int, nv: int, dk: int, dv: int, seq_lens: list[int],
-                dtype=jnp.float32) -> dict:
-    rng = np.random.default_rng(seed)
-    normal = lambda shape, scale=1.0: jnp.asarray(scale * rng.standard_normal(shape, np.float32), dtype)
-    return dict(
-        q=normal((batch, seq, nk, dk), 2.0), k=normal((batch, seq, nk, dk), 2.0), v=normal((batch, seq, nv, dv)),
-        a=normal((batch, seq, nv)), b=normal((batch, seq, nv), 2.0),
-        A_log=normal(nv, 0.7).astype(jnp.float32) - 1.0, dt_bias=normal(nv).astype(jnp.float32),
-        state=jnp.asarray(rng.standard_normal((batch, nv, dk, dv), np.float32)),
-        seq_lens=jnp.asarray(seq_lens, jnp.int32),
-    )
-
-
-def poison_padding(inputs: dict) -> dict:
-    """NaN in q, k, v, a, b at every token past its row's seq_len: one read of them would show in the results."""
-    seq = inputs["q"].shape[1]
-    padding = np.arange(seq)[None, :] >= np.asarray(inputs["seq_lens"])[:, None]  # [B, S]
-    poison = lambda x: jnp.where(padding.reshape(padding.shape + (1,) * (x.ndim - 2)), jnp.nan, x)
-    return dict(inputs, **{name: poison(inputs[name]) for name in ("q", "k", "v", "a", "b")})
-
-
-def rel_err(x, y) -> float:
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
-
-
-def check_against_reference(inputs: dict, chunk_size: int, block_v: int) -> None:
-    """The kernel on NaN-poisoned padding against the reference on finite padding: real outputs and every row's
-    final state match, padding outputs are exactly 0, rows without tokens keep their state bit for bit."""
-    want_o, want_state = map(np.asarray, run_reference(**inputs))
-    got_o, got_state = map(np.asarray, run_kernel(**poison_padding(inputs), chunk_size=chunk_size, block_v=block_v))
-    seq_lens = np.asarray(inputs["seq_lens"])
-    real = np.arange(got_o.shape[1])[None, :] < seq_lens[:, None]  # [B, S]
-
-    assert got_o.shape == want_o.shape and got_o.dtype == inputs["v"].dtype and got_state.dtype == np.float32
-    assert np.isfinite(got_o).all() and np.isfinite(got_state).all()  # every output written, no padding read
-    assert rel_err(got_o[real], want_o[real]) < RTOL[inputs["q"].dtype.type]
-    assert not got_o[~real].any()
-    assert rel_err(got_state, want_state) < RTOL[inputs["q"].dtype.type]
-    state_before = np.asarray(inputs["state"])
-    np.testing.assert_array_equal(got_state[seq_lens == 0], state_before[seq_lens == 0])
-    assert not np.allclose(got_state[seq_lens > 0], state_before[seq_lens > 0])  # the update did happen
-
-
-@pytest.mark.parametrize("batch, seq, nk, nv, dk, dv, seq_lens, chunk_size, block_v", [
-    (3, 70, 2, 4, 16, 32, [70, 0, 33], 16, 16),           # 5 chunks, a row without tokens; 2 value blocks; dk != dv
-    (5, 40, 1, 4, 32, 16, [1, 32, 40, 0, 17], 32, 16),    # odd batch; 1 token, exactly one chunk; key head x4
-    (2, 150, 2, 2, 32, 32, [150, 64], 64, 32),            # chunk 64 (two sub-blocks, scores across them): three
-])                                                        # chunks (the last partial), exactly one
-def test_gdn_prefill_matches_reference(batch, seq, nk, nv, dk, dv, seq_lens, chunk_size, block_v):
-    for seed in range(2):  # fresh random inputs each check
-        check_against_reference(make_inputs(seed, batch, seq, nk, nv, dk, dv, seq_lens), chunk_size, block_v)
+@pytest.mark.parametrize("nk, nv, dk, dv, chunk_size, block_v, case, tokens, requests, slots", [
+    (2, 4, 16, 32, 16, 16, MIXED, 128, 10, 16),   # two value blocks; dk != dv; three padding requests
+    (1, 4, 32, 16, 64, 16, ([150, 1, 64, 3], [0, 9, 64, 0], [4, 1, 6, 2]), 224, 6, 8),  # chunks of 64 (two
+    (2, 2, 32, 32, 32, 32, ([70, 1, 1, 5], [0, 3, 0, 40], [3, 8, 5, 6]), 80, 4, 9),    # sub-blocks); key head x4
+])
+def test_mixed_ragged_batch_matches_reference(nk, nv, dk, dv, chunk_size, block_v, case, tokens, requests, slots):
+    for seed in range(2):  # another layout and other inputs each time
+        batch = shuffled_batch(*case, tokens, requests, seed)
+        inputs = make_inputs(seed, tokens, nk, nv, dk, dv, slots)
+        check_against_reference(inputs, batch, chunk_size=chunk_size, block_v=block_v, decode_block_v=16)
 
 
 @pytest.mark.parametrize("chunk_size", [32, 64])
-def test_gdn_prefill_matches_reference_with_bfloat16_inputs(chunk_size):
+def test_mixed_ragged_batch_matches_reference_with_bfloat16_inputs(chunk_size):
     """The model feeds bf16 q/k/v/a/b: bf16 dot operands and T, float32 state and accumulation."""
-    inputs = make_inputs(7, 3, 70, 2, 4, 16, 32, [70, 5, 48], jnp.bfloat16)
-    check_against_reference(inputs, chunk_size=chunk_size, block_v=16)
+    batch = shuffled_batch([70, 1, 5, 48], [0, 12, 0, 30], [3, 1, 4, 6], 136, 5, seed=3)
+    inputs = make_inputs(7, 136, 2, 4, 16, 32, 8, jnp.bfloat16)
+    check_against_reference(inputs, batch, chunk_size=chunk_size, block_v=16)
 
 
-def test_padding_tokens_never_change_the_state():
-    """A row's 37 tokens give the same outputs and state, bit for bit, whether the batch is 37 tokens wide or 96
-    with 59 NaN padding tokens after them."""
-    wide = make_inputs(3, 2, 96, 2, 4, 16, 16, [37, 96])
-    narrow = dict(wide, seq_lens=wide["seq_lens"][:1], state=wide["state"][:1],
-                  **{name: wide[name][:1, :37] for name in ("q", "k", "v", "a", "b")})
-    narrow_o, narrow_state = run_kernel(**narrow, chunk_size=16, block_v=16)
-    wide_o, wide_state = run_kernel(**poison_padding(wide), chunk_size=16, block_v=16)
-    np.testing.assert_array_equal(np.asarray(wide_o[0, :37]), np.asarray(narrow_o[0]))
-    np.testing.assert_array_equal(np.asarray(wide_state[0]), np.asarray(narrow_state[0]))
+def test_a_request_gives_the_same_bits_wherever_it_sits():
+    """A prompt's 37 tokens give the same outputs and state, bit for bit, alone in a 37-token batch or at another
+    offset amid other requests and NaN padding tokens: its chunks start at its first token, and nothing else is
+    read."""
+    lens, starts, slots = [37, 5, 1, 20], [4, 0, 9, 0], [3, 1, 6, 5]
+    wide = shuffled_batch(lens, starts, slots, 96, 6, seed=1)
+    r = int(np.flatnonzero(np.asarray(wide.state_slot) == 3)[0])
+    first = int(wide.query_start[r])
+    assert first > 0  # not where it sits alone
+    wide_inputs = poison(make_inputs(3, 96, 2, 4, 16, 16, 8), wide)
+    narrow = ragged([4], [37], [3], [[0]], 37, 1, 1)
+    narrow_inputs = dict(wide_inputs, **{name: wide_inputs[name][first:first + 37] for name in "qkvab"})
+    options = dict(chunk_size=16, block_v=16, decode_block_v=16)
+    wide_o, wide_ssm = map(np.asarray, run_kernel(wide_inputs, wide, **options))
+    narrow_o, narrow_ssm = map(np.asarray, run_kernel(narrow_inputs, narrow, **options))
+    np.testing.assert_array_equal(wide_o[first:first + 37], narrow_o)
+    np.testing.assert_array_equal(wide_ssm[3], narrow_ssm[3])
 
 
-def test_gdn_prefill_rejects_tiles_triton_cannot_use():
+def test_work_items_are_the_reference_chunks_of_requests_of_two_or_more_tokens():
+    """The prepare launch's work items: the reference's chunks (chunk_items) of every request but one-token and
+    padding ones, in its order, then padding items; the static count has room for every batch of T tokens and R
+    requests."""
+    for lens, tokens, requests in [(MIXED[0], 128, 10), ([2] * 8, 24, 9), ([16, 16, 1], 40, 4)]:
+        batch = device_batch(shuffled_batch(lens, [0] * len(lens), list(range(1, len(lens) + 1)), tokens,
+                                            requests, seed=2))
+        first, end = map(np.asarray, jax.jit(work_items, static_argnums=(1, 2))(batch, 16, tokens))
+        request, at, _ = map(np.asarray, jax.jit(chunk_items, static_argnums=1)(batch, 16))
+        real = (at[:, 0] < tokens) & (np.asarray(batch.query_len)[request] >= 2)
+        live = first < end
+        assert len(first) == tokens // 16 + min(requests, tokens // 2) and live.sum() == real.sum()
+        np.testing.assert_array_equal(first[live], at[real, 0])
+        np.testing.assert_array_equal(end[live], (batch.query_start + batch.query_len)[request[real]])
+        assert not first[~live].any() and not end[~live].any()
+
+
+def test_prefill_rejects_tiles_triton_cannot_use():
     """Compiled for the GPU (interpret=False; checked before anything lowers), tiles under 16 are refused;
     interpreted, only the chunk must be a power of two (the engine's tiny test models have 8-wide heads)."""
-    inputs = make_inputs(0, 1, 8, 1, 2, 16, 16, [8])
+    batch = device_batch(ragged([0], [8], [1], [[0]], 8, 1, 1))
+    inputs = make_inputs(0, 8, 1, 2, 16, 16, 2)
     with pytest.raises(ValueError, match="block_v 8"):
-        gdn_prefill(**inputs, chunk_size=16, block_v=8, interpret=False)
+        delta_rule(**inputs, batch=batch, chunk_size=16, block_v=8, decode_block_v=16, interpret=False)
     with pytest.raises(ValueError, match="chunk_size 24"):
-        gdn_prefill(**inputs, chunk_size=24)
+        delta_rule(**inputs, batch=batch, chunk_size=24)
 
 
-def test_select_switches_between_reference_and_kernel():
-    assert select("reference") is reference and select("gpu") is gdn_prefill
+@pytest.mark.parametrize("case, requests", [(([150], [0], [2]), 1), (([150, 1, 37], [0, 4, 9], [2, 1, 4]), 3)])
+def test_default_tiles_by_request_slots(case, requests):
+    """Without tiles given: chunks of 32, with 32 value columns for a batch of one request slot (twice the
+    recurrence programs) and 64 for several (default_tiles); both match the reference across chunk boundaries."""
+    assert default_tiles(requests, 128) == dict(chunk_size=32, block_v=32 if requests == 1 else 64, num_stages=3)
+    batch = shuffled_batch(*case, 192, requests, seed=4)
+    check_against_reference(make_inputs(9, 192, 1, 2, 16, 32, 5), batch, state_rtol=1e-4)
 
 
-def _lowered_for_cuda(batch: int, seq: int, **options) -> str:
-    """gdn_prefill lowered (not compiled) for CUDA on this CPU machine at the 35B-A3B shapes (nk 16, nv 32,
-    dk = dv = 128, bf16), the state donated: its StableHLO text."""
+def _lowered_for_cuda(tokens: int, requests: int, **options) -> str:
+    """delta_rule lowered (not compiled) for CUDA on this CPU machine at the 35B-A3B shapes (nk 16, nv 32,
+    dk = dv = 128, bf16), ssm (65 slots) donated: its StableHLO text."""
     s = jax.ShapeDtypeStruct
     nk, nv, dk, dv = 16, 32, 128, 128
-    args = (s((batch, seq, nk, dk), jnp.bfloat16), s((batch, seq, nk, dk), jnp.bfloat16),
-            s((batch, seq, nv, dv), jnp.bfloat16), s((batch, seq, nv), jnp.bfloat16), s((batch, seq, nv), jnp.bfloat16),
-            s((nv,), jnp.float32), s((nv,), jnp.float32), s((batch, nv, dk, dv), jnp.float32), s((batch,), jnp.int32))
-    fn = jax.jit(lambda *x: gdn_prefill(*x, **options, interpret=False), donate_argnums=7)
+    args = (s((tokens, nk, dk), jnp.bfloat16), s((tokens, nk, dk), jnp.bfloat16), s((tokens, nv, dv), jnp.bfloat16),
+            s((tokens, nv), jnp.bfloat16), s((tokens, nv), jnp.bfloat16), s((nv,), jnp.float32),
+            s((nv,), jnp.float32), s((65, nv, dk, dv), jnp.float32))
+    batch = jax.tree.map(lambda x: s(x.shape, x.dtype), ragged([0], [tokens], [1], [[0]], tokens, requests, 1))
+    fn = jax.jit(lambda *x: delta_rule(*x, **options, interpret=False), donate_argnums=7)
     return export.export(fn, platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args, batch).mlir_module()
 
 
-def test_given_tiles_reach_both_triton_calls_for_cuda():
-    """64 x 1,024 tokens, tiles given: the chunk preparation over (chunk, head, row) in chunks of 64, the
-    recurrence over (value block, head, row) on 64 columns, both on 8 warps; the state (operand 7) updated in
-    place."""
-    text = _lowered_for_cuda(64, 1024, chunk_size=64, block_v=64, num_warps=8)
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
-    assert "grid_x = 16 : i32, grid_y = 32 : i32, grid_z = 64 : i32" in text  # 1,024 / 64 chunks
-    assert "grid_x = 2 : i32, grid_y = 32 : i32, grid_z = 64 : i32" in text  # 128 / 64 value blocks
-    assert text.count("num_warps = 8 : i32") == 2
-    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [1], operand_index = 7" \
-        in text
+def _aliases(operands: tuple[int, int]) -> str:
+    return ("output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = "
+            f"{operands[0]}, operand_tuple_indices = []>, #stablehlo.output_operand_alias<output_tuple_indices = [1], "
+            f"operand_index = {operands[1]}, operand_tuple_indices = []>]")
 
 
-def test_several_prompts_lower_to_two_triton_calls_for_cuda():
-    """At the defaults for 64 prompts: the preparation over (chunk, head, row) in chunks of 32, then one launch
-    over (value block, head, row) that runs the recurrence, writes the outputs and updates the state (operand 7)
-    in place."""
-    text = _lowered_for_cuda(64, 1024)
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
-    assert "grid_x = 32 : i32, grid_y = 32 : i32, grid_z = 64 : i32" in text  # 1,024 / 32 chunks
-    assert "grid_x = 2 : i32, grid_y = 32 : i32, grid_z = 64 : i32" in text  # 128 / 64 value blocks
-    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [1], operand_index = 7" \
-        in text
+def test_given_tiles_reach_the_triton_calls_for_cuda():
+    """4,096 tokens of 64 request slots, tiles given: the decode launch over (request, head, value block of 64), the
+    chunk preparation over (work item, head) in chunks of 64 (4,096 / 64 + 64 items), the recurrence over (value
+    block, head, request) on 64 columns, the prefill launches on 8 warps; out and ssm go through the decode and
+    recurrence launches in place."""
+    text = _lowered_for_cuda(4096, 64, chunk_size=64, block_v=64, num_warps=8)
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 3
+    assert "grid_x = 64 : i32, grid_y = 32 : i32, grid_z = 2 : i32" in text  # decode
+    assert "grid_x = 128 : i32, grid_y = 32 : i32, grid_z = 1 : i32" in text  # prepare
+    assert "grid_x = 2 : i32, grid_y = 32 : i32, grid_z = 64 : i32" in text  # recurrence
+    assert text.count("num_warps = 8 : i32") == 2 and text.count("num_warps = 4 : i32") == 1
+    assert _aliases((11, 12)) in text and _aliases((10, 11)) in text
 
 
-@pytest.mark.parametrize("batch, seq_lens", [(1, [150]), (2, [150, 37])])
-def test_default_tiles_by_prompt_count(batch, seq_lens):
-    """Without tiles given: chunks of 32, with 32 value columns for one prompt (twice the recurrence programs) and 64
-    for several (default_tiles); both match the reference across chunk boundaries."""
-    assert default_tiles(batch, 128) == dict(chunk_size=32, block_v=32 if batch == 1 else 64, num_stages=3)
-    inputs = make_inputs(9, batch, 150, 1, 2, 16, 32, seq_lens)
-    got_o, got_state = map(np.asarray, jax.jit(gdn_prefill)(**poison_padding(inputs)))
-    want_o, want_state = map(np.asarray, run_reference(**inputs))
-    real = np.arange(150)[None, :] < np.asarray(seq_lens)[:, None]
-    assert rel_err(got_o[real], want_o[real]) < 1e-4 and rel_err(got_state, want_state) < 1e-4
-
-
-def test_one_prompt_lowers_with_32_value_columns():
-    text = _lowered_for_cuda(1, 2048)
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
-    assert "grid_x = 64 : i32, grid_y = 32 : i32, grid_z = 1 : i32" in text  # 2,048 / 32 chunks
+def test_one_request_slot_lowers_with_32_value_columns_and_chunks_of_32():
+    text = _lowered_for_cuda(2048, 1)
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 3
+    assert "grid_x = 65 : i32, grid_y = 32 : i32, grid_z = 1 : i32" in text  # 2,048 / 32 + 1 items
     assert "grid_x = 4 : i32, grid_y = 32 : i32, grid_z = 1 : i32" in text  # 128 / 32 value blocks

@@ -1,0 +1,133 @@
+"""Replica: one model replica on its own devices, with its cache memory sized from those devices and its own block
+pool, slot pool, prefix cache, scheduler and runner. The engine core (engine/core.py) owns one per data-parallel
+replica.
+
+A replica only ever sees its own sequences and never waits for the device itself: the core issues its steps and
+reads them back.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from qwen_jax.config import ModelConfig
+from qwen_jax.engine.memory import BlockPool, SlotPool
+from qwen_jax.engine.prefix_cache import PrefixCache
+from qwen_jax.engine.runner import ModelRunner
+from qwen_jax.engine.scheduler import Scheduler
+from qwen_jax.engine.sequence import Sequence
+from sharding import rules
+from sharding.mesh import describe as describe_mesh
+
+
+class Replica:
+    def __init__(self, index: int, cfg: ModelConfig, params: dict | None, mesh: Mesh, args: dict, max_model_len: int,
+                 eos_token_ids: list[int], seed: int):
+        """Replica `index` over `mesh`, serving `params` (already laid out over `mesh`); `args` are the engine's."""
+        self.index = index
+        self.cfg = cfg
+        self.mesh = mesh
+        self.max_model_len = max_model_len
+        self.max_num_seqs = int(args["max_num_seqs"])
+        self.max_num_batched_tokens = int(args["max_num_batched_tokens"])
+        self.block_size = int(args["block_size"])
+        self._size_memory(args)
+        self.blocks = BlockPool(self.num_blocks, self.block_size)
+        self.slots = SlotPool(self.max_num_seqs + 1)
+        self.prefix_cache = (PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid)
+                             if args["enable_prefix_caching"] else None)
+        self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
+                                   self.prefix_cache)
+        self.runner = ModelRunner(cfg, params, self.num_blocks, self.block_size, self.max_num_seqs + 1,
+                                  self.num_snapshots if self.prefix_cache else 0, max_model_len, self.max_num_seqs,
+                                  self.max_num_batched_tokens, eos_token_ids, seed=seed, mesh=mesh)
+
+    # ---- memory sizing ---------------------------------------------------------------------------------------
+    def _size_memory(self, args: dict) -> None:
+        """Cache sizes from the tightest device of this replica: its free memory (after the weights are placed) and
+        its shard of a block / slot (a slot also holds a row of penalty counts, whole on every device)."""
+        cfg, block_size = self.cfg, self.block_size
+        per_block = rules.cache_bytes_per_device(cfg, self.mesh, 1, block_size, 0)  # KV pages of every layer
+        per_slot = rules.cache_bytes_per_device(cfg, self.mesh, 0, block_size, 1)  # GDN state of every layer
+        per_counts = 4 * cfg.vocab_size  # a slot's penalty counts
+        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        stats = [d.memory_stats() or {} for d in local]
+        if not local:  # a replica on other hosts: theirs decide (the allgather below)
+            budget = float("inf")
+        elif all("bytes_limit" in s for s in stats):
+            # 5% of each device held back for activations and compiled programs
+            budget = min(s["bytes_limit"] * (float(args["gpu_memory_utilization"]) - 0.05) - s["bytes_in_use"]
+                         for s in stats)
+        else:
+            budget = float(args["cpu_cache_budget_gib"]) * 2**30
+        if jax.process_count() > 1:  # every host must build the same cache shapes
+            budget = float(np.min(multihost_utils.process_allgather(np.float64(budget))))
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        state_bytes = (self.max_num_seqs + 1) * (per_slot + per_counts)
+        snapshots = args["num_snapshots"]
+        if snapshots is None:
+            snapshots = (2 * self.max_num_seqs + 1) if per_slot else 0
+            snapshots = int(min(snapshots, 0.2 * max(budget - state_bytes, 0) // max(per_slot, 1)))
+        self.num_snapshots = int(snapshots) if (cfg.is_hybrid and args["enable_prefix_caching"]) else 0
+        left = budget - state_bytes - self.num_snapshots * per_slot
+        wanted = 2 * self.max_num_seqs * blocks_per_seq + 1  # room for every sequence at full length, plus cache
+        fits = int(left // per_block) if per_block else wanted
+        self.num_blocks = max(2, min(wanted, fits))
+        if args["num_kv_blocks"] is not None:
+            self.num_blocks = int(args["num_kv_blocks"]) + 1  # + the reserved padding sink
+        if self.num_blocks - 1 < blocks_per_seq:
+            raise ValueError(f"only {self.num_blocks - 1} KV blocks fit in memory, one sequence of max_model_len "
+                             f"{self.max_model_len} needs {blocks_per_seq}: lower max_model_len or raise "
+                             f"gpu_memory_utilization")
+        if state_bytes > budget:
+            raise ValueError(f"recurrent state for {self.max_num_seqs} sequences needs {state_bytes / 2**30:.1f} GiB, "
+                             f"{budget / 2**30:.1f} GiB are free: lower max_num_seqs")
+
+    @property
+    def num_tokens(self) -> int:
+        """KV cache capacity in tokens (the padding sink block not counted)."""
+        return self.blocks.num_usable * self.block_size
+
+    def describe(self) -> str:
+        return (f"replica {self.index} on {describe_mesh(self.mesh)} "
+                f"(devices {','.join(str(d.id) for d in self.mesh.devices.flat)}): KV cache {self.blocks.num_usable} "
+                f"blocks x {self.block_size} tokens ({self.num_tokens} tokens), {self.max_num_seqs} sequences at "
+                f"once, {self.num_snapshots} state snapshots")
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def warmup(self, full: bool) -> None:
+        """Compile this replica's step programs before it serves: every token bucket (full), or the smallest and
+        the largest (minimal). Runs padding only: no request, block or counter is touched."""
+        buckets = self.runner.token_buckets
+        self.runner.warmup(buckets if full else sorted({buckets[0], buckets[-1]}),
+                           max_pairs=self.max_num_seqs if full else 1)
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish (or abort) one of this replica's sequences: its blocks and slot are free at once (a step still in
+        flight that writes them runs before any later step that reuses them)."""
+        self.scheduler.finish(seq, reason, stop_reason)
+
+    # ---- introspection ---------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s, slots, cache = self.scheduler, self.slots, self.prefix_cache
+        return {
+            "num_running": len(s.running), "num_waiting": len(s.waiting),
+            "kv_blocks_used": self.blocks.num_usable - self.blocks.num_free, "kv_blocks_total": self.blocks.num_usable,
+            "state_slots_used": slots.num_slots - 1 - slots.num_free, "state_slots_total": slots.num_slots - 1,
+            "prefix_cache_queries": cache.queries if cache else 0, "prefix_cache_hits": cache.hits if cache else 0,
+            "step_device_wait_seconds_total": self.runner.device_wait_seconds,
+        }

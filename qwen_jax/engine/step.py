@@ -1,0 +1,162 @@
+"""The compiled programs of an engine step: the forward (embedding, every layer, final norm and LM head over the
+step's flat ragged batch), the sampler, and the small copies around them (prefix-cache snapshots, penalty counts).
+
+Pure functions of explicit pytrees, jitted with the caches donated; the host sends each step's inputs as one packed
+int32 buffer (one transfer). Never decides who runs (the scheduler does) and never reads a device value back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qwen_jax.config import FULL_ATTENTION, ModelConfig
+from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, init_penalty_rows, sample
+from qwen_jax.layers.batch import Ragged
+from qwen_jax.models import decoder
+from sharding import rules
+from sharding.ops import ops_for_mesh
+
+# Excess precision off: every rounding to bf16 that the layers write (where HF rounds) really happens.
+EXACT = {"xla_allow_excess_precision": False}
+
+
+def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
+    """The token counts a step is padded to (one compiled forward each): powers of two up to 512, then steps of
+    512, and the token budget itself. Small steps (decode at low concurrency) pad little; large ones are rarer and
+    mostly fill the budget (the scheduler fills it whenever a prompt waits)."""
+    budget = int(max_num_batched_tokens)
+    sizes = {1 << i for i in range(10) if 1 << i < budget} | set(range(512, budget, 512)) | {budget}
+    return sorted(sizes)
+
+
+def bucket_for(num_tokens: int, buckets: list[int]) -> int:
+    for size in buckets:
+        if size >= num_tokens:
+            return size
+    raise ValueError(f"{num_tokens} tokens exceed the largest step bucket {buckets[-1]}")
+
+
+def request_bucket(num_tokens: int, max_num_seqs: int) -> int:
+    """Requests of a step of num_tokens tokens: each has at least one token, and at most max_num_seqs run."""
+    return min(num_tokens, max_num_seqs)
+
+
+# ---- packed host inputs ----------------------------------------------------------------------------------------------
+class Layout(NamedTuple):
+    """Where each array sits in a packed buffer: (name, dtype, shape, offset) each; hashable (a static argument)."""
+
+    entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
+    size: int
+
+
+def pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
+    """Host arrays (int32, uint32, float32 or bool) -> one int32 buffer and its layout: one host-to-device copy a
+    step instead of one per array."""
+    entries, parts, offset = [], [], 0
+    for name, array in arrays.items():
+        array = np.asarray(array)
+        if array.dtype == np.bool_:
+            flat = array.astype(np.int32).reshape(-1)
+        elif array.dtype in (np.int32, np.uint32, np.float32):
+            flat = array.reshape(-1).view(np.int32)
+        else:
+            raise TypeError(f"pack: {name} has dtype {array.dtype}")
+        entries.append((name, array.dtype.str, array.shape, offset))
+        parts.append(flat)
+        offset += flat.size
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32), Layout(tuple(entries), offset)
+
+
+def as_layout(layout) -> Layout:
+    """A Layout again after a trip through a multi-host op list (JSON turns its tuples into lists)."""
+    entries, size = layout
+    return Layout(tuple((name, dtype, tuple(shape), offset) for name, dtype, shape, offset in entries), size)
+
+
+def unpack(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
+    """pack's inverse inside a program (static slices and bitcasts: no copies of consequence)."""
+    out = {}
+    for name, dtype, shape, offset in layout.entries:
+        flat = buffer[offset:offset + math.prod(shape)]
+        dtype = np.dtype(dtype)
+        if dtype == np.bool_:
+            flat = flat != 0
+        elif dtype != np.int32:
+            flat = jax.lax.bitcast_convert_type(flat, dtype)
+        out[name] = flat.reshape(shape)
+    return out
+
+
+RAGGED_KEYS = Ragged._fields
+SAMPLING_KEYS = SamplingTensors._fields
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+# ---- the forward ----------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh"), donate_argnames=("cache",),
+                   compiler_options=EXACT)
+def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array, *, layout: Layout,
+            cfg: ModelConfig, mesh: Mesh) -> tuple[jax.Array, dict]:
+    """One step's forward: (float32 logits [R, V] of each request's last token, the updated cache).
+    buffer (packed): tokens [T] with token_source [T] (>= 0: the token is that row of the previous step's sampled
+    tokens `last_tokens`, still on the device; -1: tokens[t]), the Ragged fields, sample_index [R]."""
+    a = unpack(buffer, layout)
+    source = a["token_source"]
+    tokens = jnp.where(source >= 0, last_tokens[jnp.maximum(source, 0)], a["tokens"])
+    batch = Ragged(**{k: a[k] for k in RAGGED_KEYS})
+    logits, cache = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh), a["sample_index"])
+    layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
+    return jax.lax.with_sharding_constraint(logits, replicated(mesh)), {"layers": layers}
+
+
+# ---- the sampler ----------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("layout", "num_top_logprobs", "path", "num_rows"),
+                   donate_argnames=("counts",))
+def sample_step(logits: jax.Array, buffer: jax.Array, counts: jax.Array | None, *, layout: Layout,
+                num_top_logprobs: int, path: int, num_rows: int) -> tuple[SampleOutput, jax.Array, jax.Array | None]:
+    """Sample each request's next token (engine/sampler.py) from the forward's logits, with the SamplingTensors
+    packed in `buffer`. Returns (SampleOutput [R], the tokens padded to [num_rows] for the next step's forward,
+    the penalty counts)."""
+    a = unpack(buffer, layout)
+    tensors = SamplingTensors(**{k: a[k] for k in SAMPLING_KEYS})
+    out, counts = sample(logits, tensors, counts, num_top_logprobs=num_top_logprobs, path=path)
+    return out, jnp.zeros(num_rows, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens), counts
+
+
+init_penalties = jax.jit(init_penalty_rows, donate_argnames=("counts",))
+
+
+# ---- prefix-cache snapshots -----------------------------------------------------------------------------------------
+def gdn_indices(cfg: ModelConfig) -> list[int]:
+    return [i for i, kind in enumerate(cfg.layer_types) if kind != FULL_ATTENTION]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("cache",))
+def restore_snapshots(cache: dict, snapshots: list, src: jax.Array, dst: jax.Array, *, cfg: ModelConfig,
+                      mesh: Mesh) -> dict:
+    """cache slots[dst] <- snapshots[src] for every recurrent layer (padding pairs write slot 0, the sink)."""
+    layers = list(cache["layers"])
+    for i, snap in zip(gdn_indices(cfg), snapshots, strict=True):
+        layers[i] = rules.constrain_cache_layer(
+            cfg, mesh, i, {k: v.at[dst].set(snap[k][src]) for k, v in layers[i].items()})
+    return {"layers": layers}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("snapshots",))
+def save_snapshots(cache: dict, snapshots: list, src: jax.Array, dst: jax.Array, *, cfg: ModelConfig,
+                   mesh: Mesh) -> list:
+    """snapshots[dst] <- cache slots[src] (padding pairs write snapshot 0, the sink)."""
+    return [rules.constrain_cache_layer(cfg, mesh, i, {k: v.at[dst].set(cache["layers"][i][k][src])
+                                                       for k, v in snap.items()})
+            for i, snap in zip(gdn_indices(cfg), snapshots, strict=True)]
