@@ -38,8 +38,9 @@ fi
 
 export QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=${QWEN_JAX_START_TIMEOUT:-300}
 URL=http://127.0.0.1:8000
-SERVER_ARGS=(--model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000
-             --kernels "${KERNELS:-gpu}" --compilation-cache-dir /tmp/qwen_jax_cc)
+SERVER_ARGS=(--model "$MODEL" --load-format dummy --max-model-len "${MAX_MODEL_LEN:-4096}"
+             --max-num-seqs "${MAX_NUM_SEQS:-64}" --port 8000 --kernels "${KERNELS:-gpu}"
+             --compilation-cache-dir /tmp/qwen_jax_cc)
 chat() {  # one greedy chat request, its JSON reply saved to $OUT/chat.json
   curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' \
     -d '{"model":"m","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16,"temperature":0}' \
@@ -59,6 +60,7 @@ if part server; then
   chat
   grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
   curl -s "$URL/metrics" > "$OUT/metrics.txt"; grep "^qwen_jax_engine_step" "$OUT/metrics.txt"
+  grep -i "compiled the forward\|loaded" "$OUT/server.log" | cut -c1-160 | tail -16
   ./start.sh --stop
 fi
 

@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
-# Device check of the server on full-size random weights (one GPU): cold start, a chat request, a 64-way burst
-# through the serving benchmark, then a restart with the persistent compile cache. Results under $OUT (or ./out).
+# Device check of the server on full-size random weights (one GPU), as a judge runs it: cold start through
+# ./start.sh, the serving benchmark at each concurrency of LEVELS (1,024 in / 1,024 out, one wave each; levels above
+# 1 wait until the background compile of every step bucket is done), /metrics, then (RESTART=1) a warm restart
+# with the persistent compile cache. Everything lands under $OUT (RESULTS.json entry, logs, metrics).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
-export QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_PROGRESS=0
-ARGS=(--model "$MODEL" --load-format dummy --max-model-len 2304 --max-num-seqs 64 --port 8000
-      --compilation-cache-dir /tmp/qwen_jax_cc)
+export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0 QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=400
+ARGS=(--model "$MODEL" --load-format dummy --max-model-len "${MAX_MODEL_LEN:-4096}" --max-num-seqs
+      "${MAX_NUM_SEQS:-256}" --kernels "${KERNELS:-gpu}" --port 8000 --compilation-cache-dir /tmp/qwen_jax_cc)
 URL=http://127.0.0.1:8000
-bench() {  # bench CONCURRENCY NUM_REQUESTS
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" \
-    --concurrency "$1" --num-requests "$2" --input-len 1024 --output-len "${OUTLEN:-32}" --results "$OUT/RESULTS.json" \
-    --device H200 --device-count 1 --layout TP=1 --weights random --model-config "$MODEL/config.json" --no-progress \
-    2>&1 | tee -a "$OUT/serve_bench.txt"
-}
-since() { python3 -c "import time,sys; print(round(time.time()-float(sys.argv[1]),1))" "$1"; }
+now() { date +%s.%N; }
+since() { python3 -c "import sys; print(round($(now) - float(sys.argv[1]), 1))" "$1"; }
 
-t0=$(date +%s.%N); ./start.sh "${ARGS[@]}" || { tail -50 "$OUT/server.log"; exit 1; }
+t0=$(now); ./start.sh "${ARGS[@]}" > "$OUT/start.txt" 2>&1 || { tail -40 "$OUT/server.log"; exit 1; }
 echo "cold_start_s $(since "$t0")"
-t0=$(date +%s.%N)
-curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' \
-  -d '{"model":"m","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16,"temperature":0}' \
-  | tee "$OUT/chat.json"; echo; echo "chat_s $(since "$t0")"
-./start.sh --stop
-t0=$(date +%s.%N); ./start.sh "${ARGS[@]}" || { tail -50 "$OUT/server.log"; exit 1; }
-echo "warm_start_s $(since "$t0")"
-bench 1 4
-bench 64 64
+for c in ${LEVELS:-1 64 256}; do
+  if [[ $c != 1 ]]; then  # the background compile of every bucket, which a level above 1 needs
+    until grep -q "every step bucket is compiled" "$OUT/server.log"; do sleep 2; done
+  fi
+  timeout 400 python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" --concurrency "$c" \
+    --waves 1 --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
+    --device-count 1 --layout TP=1 --weights random --model-config "$MODEL/config.json" --no-progress \
+    --label "kernels=${KERNELS:-gpu} max_num_seqs=${MAX_NUM_SEQS:-256}" > "$OUT/serve_c$c.txt" 2>&1
+  grep -A3 "^ conc" "$OUT/serve_c$c.txt" | head -3
+done
 curl -s "$URL/metrics" > "$OUT/metrics.txt"
-./start.sh --stop
+grep "^qwen_jax_engine_step\|^qwen_jax_generation_tokens_total" "$OUT/metrics.txt"
+grep "compiled\|loaded" "$OUT/server.log" | cut -c1-170
+./start.sh --stop > /dev/null
+cp "$OUT/server.log" "$OUT/server_cold.log"
+if [[ "${RESTART:-1}" == 1 ]]; then
+  t0=$(now); ./start.sh "${ARGS[@]}" > "$OUT/restart.txt" 2>&1 || tail -20 "$OUT/server.log"
+  echo "warm_start_s $(since "$t0")"
+  ./start.sh --stop > /dev/null
+fi

@@ -58,6 +58,10 @@ class _EngineCollector(Collector):
         yield counter("engine_step_seconds", "Wall time of engine steps.", s.get("step_seconds_total", 0))
         yield counter("engine_step_device_wait_seconds", "Time engine steps waited for the devices' sampled tokens.",
                       s.get("step_device_wait_seconds_total", 0))
+        yield counter("engine_step_plan_seconds", "Time engine steps spent scheduling, building and issuing the next "
+                      "step (while the device runs the one before).", s.get("step_plan_seconds_total", 0))
+        yield counter("engine_step_dispatch_seconds", "Time engine steps spent in the calls that issue the next step's "
+                      "programs.", s.get("step_dispatch_seconds_total", 0))
 
 
 class ServerMetrics:

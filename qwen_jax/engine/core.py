@@ -134,6 +134,8 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time of step(): planning, issuing, waiting, applying tokens
+        self.plan_seconds = 0.0  # of which scheduling, building and issuing the next step
+        self.dispatch_seconds = 0.0  # of which the calls that issue its programs
         log.info("loaded %s in %.1fs; %s; total over %d replica(s): %d sequences at once, %d KV cache tokens",
                  model_path, self.load_seconds, "; ".join(r.describe() for r in self.replicas), dp,
                  sum(r.max_num_seqs for r in self.replicas), sum(r.num_tokens for r in self.replicas))
@@ -199,14 +201,16 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._in_flight) or any(r.has_work for r in self.replicas)
 
-    def warmup(self, full: bool = False) -> None:
-        """Compile the step programs before serving (Replica.warmup). Replicas compile concurrently (the compiler
-        releases the GIL)."""
+    def warmup(self, full: bool = False, background: bool = False) -> None:
+        """Compile the step programs before serving (Replica.warmup); with `background`, most of a full warm-up
+        goes on while serving (on one host only: other hosts compile a step when they first run it, and would hold
+        up host 0's). Replicas compile concurrently (the compiler releases the GIL)."""
+        background = background and not self.channels
         if len(self.replicas) == 1:
-            self.replicas[0].warmup(full)
+            self.replicas[0].warmup(full, background)
             return
         with ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda r: r.warmup(full), self.replicas))
+            list(pool.map(lambda r: r.warmup(full, background), self.replicas))
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
@@ -218,8 +222,12 @@ class EngineCore:
         for replica in self.replicas:
             plan = replica.scheduler.schedule()
             if not plan.empty:
-                out = replica.runner.executor(replica.runner.prepare(plan.rows))
+                ops = replica.runner.prepare(plan.rows)
+                dispatch = time.perf_counter()
+                out = replica.runner.executor(ops)
+                self.dispatch_seconds += time.perf_counter() - dispatch
                 issued.append(_InFlight(replica, plan.rows, out))
+        self.plan_seconds += time.perf_counter() - start
         outputs = []
         for step in self._in_flight:
             outputs += self._apply(step)
@@ -310,6 +318,7 @@ class EngineCore:
             for key, value in replica.stats().items():
                 totals[key] = totals.get(key, 0) + value
         return {**totals, "steps_total": self.num_steps, "step_seconds_total": self.step_seconds,
+                "step_plan_seconds_total": self.plan_seconds, "step_dispatch_seconds_total": self.dispatch_seconds,
                 "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total}
 

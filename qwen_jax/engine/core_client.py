@@ -51,7 +51,11 @@ def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outpu
         from qwen_jax.engine.core import EngineCore
 
         core = EngineCore(model_path, **engine_args)
-        core.warmup(full=warmup == "full" or (warmup == "auto" and core.on_accelerator))
+        # auto: on an accelerator the buckets a server needs first before it serves, the others while it serves
+        if warmup == "auto" and core.on_accelerator:
+            core.warmup(full=True, background=True)
+        else:
+            core.warmup(full=warmup == "full")
     except BaseException:
         send(("failed", traceback.format_exc()))
         raise

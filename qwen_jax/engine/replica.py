@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.engine import step
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.runner import ModelRunner
@@ -106,12 +107,17 @@ class Replica:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def warmup(self, full: bool) -> None:
-        """Compile this replica's step programs before it serves: every token bucket (full), or the smallest and
-        the largest (minimal). Runs padding only: no request, block or counter is touched."""
+    def warmup(self, full: bool, background: bool = False) -> None:
+        """Compile this replica's step programs before it serves. Minimal: the smallest and the largest token
+        bucket. Full: also the bucket of a decode step of max_num_seqs rows, then every other bucket, before
+        serving or (`background`) while serving. Runs padding only: no request, block or counter is touched."""
         buckets = self.runner.token_buckets
-        self.runner.warmup(buckets if full else sorted({buckets[0], buckets[-1]}),
-                           max_pairs=self.max_num_seqs if full else 1)
+        first = sorted({buckets[0], buckets[-1]} | ({step.bucket_for(self.max_num_seqs, buckets)} if full else set()))
+        rest = [size for size in buckets if size not in first] if full else []
+        # Decode sizes first: every running request waits on them, prefill sizes only the new ones.
+        rest.sort(key=lambda size: (size > self.max_num_seqs, size))
+        self.runner.warmup(first + ([] if background else rest), max_pairs=self.max_num_seqs if full else 1,
+                           background=rest if background else [])
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

@@ -7,8 +7,12 @@ It never decides who runs (the scheduler does) and never blocks on the device ex
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -23,9 +27,15 @@ from qwen_jax.sampling_params import SamplingParams
 from sharding import rules
 from sharding.mesh import make_mesh
 
+log = logging.getLogger("qwen_jax")
+
 # Every step with a row asking for logprobs computes the API maximum of top-n (one compiled width, not 21).
 TOP_LOGPROBS_WIDTH = SamplingParams.MAX_LOGPROBS
 _GREEDY = SamplingParams(temperature=0.0)
+# Steps compiled at once at warm-up, and later in the background while serving (XLA's compiler releases the GIL;
+# each compile also keeps a few cores busy).
+COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "4"))
+BACKGROUND_COMPILE_THREADS = 2
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -61,6 +71,13 @@ class ModelRunner:
         if params is not None and self.has_snapshots:  # GDN state only (+ the sink at 0), split like the cache
             snapshot_cache = rules.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1)["layers"]
             self.snapshots = [snapshot_cache[i] for i in step.gdn_indices(cfg)]
+        # The compiled forward of each token bucket and the samplers beside them, compiled ahead (several at once:
+        # XLA's compiler releases the GIL) or when a step first needs them. While buckets still compile in the
+        # background a step takes the smallest compiled bucket that holds it (`ready`), never waiting for one.
+        self._forwards: dict[int, jax.stages.Compiled] = {}
+        self._samplers: dict[tuple, jax.stages.Compiled] = {}
+        self._ready: list[int] | None = None  # None: every bucket, compiled when first needed
+        self._compiling: threading.Thread | None = None
         # What runs a step's op list (see prepare): `execute` here; a multi-host leader's engine puts the broadcast to
         # the other hosts in front of it (engine/multihost.py).
         self.executor: Callable[[list], SampleOutput | None] = self.execute
@@ -75,15 +92,11 @@ class ModelRunner:
         return jax.tree.map(lambda a: rules.put(a, sharding), tree)
 
     # ---- a step's host data ----------------------------------------------------------------------------------
-    def prepare(self, rows: list[Row]) -> list:
-        """The device work of one planned step as host data, an op list run in order by the executor:
-        ("restore", src, dst) copies snapshots into state slots; ("penalties", rows, ids, num_prompt, num_tokens)
-        resets the penalty counts of sequences entering the batch; ("step", inputs, input layout, sampling,
-        sampling layout, cut path, top logprobs, penalties on) runs the forward and the sampler; ("save", src, dst)
-        copies state slots into snapshots. Numpy arrays and plain values only, so a multi-host leader can send the
-        list to the other hosts. Also records, for each sampling row, where its token will be (seq.sample_row)."""
+    def step_inputs(self, rows: list[Row]) -> tuple[np.ndarray, step.Layout]:
+        """The forward's packed inputs for `rows` (padded to a token bucket and its request count); also records,
+        for each sampling row, where its token will be (seq.sample_row)."""
         num_tokens = sum(r.num_tokens for r in rows)
-        padded = step.bucket_for(num_tokens, self.token_buckets)
+        padded = step.bucket_for(max(num_tokens, 1), self._ready or self.token_buckets)
         num_requests = step.request_bucket(padded, self.max_num_seqs)
         tokens = np.zeros(padded, np.int32)
         source = np.full(padded, -1, np.int32)
@@ -98,12 +111,21 @@ class ModelRunner:
             at += r.num_tokens
         batch = ragged([r.start for r in rows], [r.num_tokens for r in rows], [r.seq.slot for r in rows],
                        [r.seq.block_table for r in rows], padded, num_requests, self.table_width)
-        inputs = dict(tokens=tokens, token_source=source, **batch._asdict(),
-                      sample_index=np.maximum(batch.query_start + batch.query_len - 1, 0).astype(np.int32))
-        buffer, layout = step.pack(inputs)
         for i, r in enumerate(rows):
             if r.samples:
                 r.seq.sample_row = i
+        return step.pack(dict(tokens=tokens, token_source=source, **batch._asdict(),
+                              sample_index=np.maximum(batch.query_start + batch.query_len - 1, 0).astype(np.int32)))
+
+    def prepare(self, rows: list[Row]) -> list:
+        """The device work of one planned step as host data, an op list run in order by the executor:
+        ("restore", src, dst) copies snapshots into state slots; ("penalties", rows, ids, num_prompt, num_tokens)
+        resets the penalty counts of sequences entering the batch; ("step", inputs, input layout, sampling,
+        sampling layout, cut path, top logprobs, penalties on) runs the forward and the sampler; ("save", src, dst)
+        copies state slots into snapshots. Numpy arrays and plain values only, so a multi-host leader can send the
+        list to the other hosts. Also records, for each sampling row, where its token will be (seq.sample_row)."""
+        buffer, layout = self.step_inputs(rows)
+        num_requests = step.layout_shape(layout, "query_len")[0]
         sampling = [r.seq.params if r.samples else _GREEDY for r in rows]
         self.step_seed += 1
         tensors = SamplingTensors.build_host(
@@ -165,20 +187,92 @@ class ModelRunner:
                 self.penalty_counts = step.init_penalties(self.penalty_counts, *self._put(tuple(args)))
             elif kind == "step":
                 buffer, layout, sampling, sampling_layout, path, top, penalties = args
+                layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
+                forward = self._forward(layout)
+                sample = self._sampler(sampling_layout, path, top, penalties)
                 buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
-                logits, self.cache = step.forward(self.params, self.cache, self.last_tokens, buffer,
-                                                  layout=step.as_layout(layout), cfg=self.cfg, mesh=self.mesh)
-                out, self.last_tokens, counts = step.sample_step(
-                    logits, sampling, self.penalty_counts if penalties else None,
-                    layout=step.as_layout(sampling_layout), num_top_logprobs=top, path=path,
-                    num_rows=self.max_num_seqs)
+                logits, self.cache = forward(self.params, self.cache, self.last_tokens, buffer)
+                out, self.last_tokens, counts = sample(logits, sampling, self.penalty_counts if penalties else None)
                 if penalties:
                     self.penalty_counts = counts
                 for array in out:
                     array.copy_to_host_async()
+            elif kind == "compile":
+                self.compile(args[0])
             else:
                 raise ValueError(f"unknown step op {kind!r}")
         return out
+
+    # ---- compiled programs -----------------------------------------------------------------------------------
+    @property
+    def num_forwards(self) -> int:
+        """Forwards compiled so far (one per token bucket)."""
+        return len(self._forwards)
+
+    def _abstract(self, tree):
+        """Shapes, dtypes and shardings of device arrays: what lowering needs, safe to read from another thread
+        while the arrays themselves are donated and replaced by steps."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+    def _forward(self, layout: step.Layout) -> jax.stages.Compiled:
+        size = step.layout_shape(layout, "tokens")[0]
+        program = self._forwards.get(size)
+        if program is None:
+            program = self._forwards[size] = self._compile_forward(layout)
+        return program
+
+    def _compile_forward(self, layout: step.Layout) -> jax.stages.Compiled:
+        buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
+        return step.forward.lower(self._abstract(self.params), self._abstract(self.cache),
+                                  self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
+                                  mesh=self.mesh).compile()
+
+    def _sampler(self, layout: step.Layout, path: int, top: int, penalties: bool):
+        """The sampler program of a batch: compiled ahead for the common variants (no penalties, bans or logprobs),
+        jitted on first use for the others."""
+        program = self._samplers.get((layout, path, top, penalties))
+        if program is not None:
+            return program
+        return lambda logits, sampling, counts: step.sample_step(
+            logits, sampling, counts, layout=layout, num_top_logprobs=top, path=path, num_rows=self.max_num_seqs)
+
+    def _compile_sampler(self, layout: step.Layout, path: int) -> None:
+        requests = step.layout_shape(layout, "temperature")[0]
+        logits = jax.ShapeDtypeStruct((requests, self.vocab_size), np.float32, sharding=step.replicated(self.mesh))
+        sampling = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
+        self._samplers[layout, path, 0, False] = step.sample_step.lower(
+            logits, sampling, None, layout=layout, num_top_logprobs=0, path=path,
+            num_rows=self.max_num_seqs).compile()
+
+    def _sampling_layout(self, size: int) -> step.Layout:
+        requests = step.request_bucket(size, self.max_num_seqs)
+        tensors = SamplingTensors.build_host([], [], vocab_size=self.vocab_size, batch_size=requests,
+                                             num_penalty_rows=self.num_slots)
+        return step.pack(tensors._asdict())[1]
+
+    def compile(self, sizes: list[int], threads: int | None = None) -> None:
+        """Compile the forwards of the token buckets `sizes` not compiled yet and the greedy and top-k samplers of
+        their request counts, `threads` at a time, logging each bucket as it is done."""
+        todo = [size for size in sizes if size not in self._forwards]
+        threads = threads or COMPILE_THREADS
+        start = time.perf_counter()
+
+        def compile_one(size: int) -> None:
+            began = time.perf_counter()
+            self._forwards[size] = self._compile_forward(self.step_inputs_for(size)[1])
+            layout = self._sampling_layout(size)
+            for path in (0, 1):
+                if (layout, path, 0, False) not in self._samplers:
+                    self._compile_sampler(layout, path)
+            if self._ready is not None:
+                self._ready = sorted({*self._ready, size})
+            log.info("compiled the step of %d tokens in %.1fs (%d of %d, %.1fs in all)", size,
+                     time.perf_counter() - began, sum(s in self._forwards for s in todo), len(todo),
+                     time.perf_counter() - start)
+
+        if todo:
+            with ThreadPoolExecutor(max(1, min(len(todo), threads))) as pool:
+                list(pool.map(compile_one, todo))
 
     def fetch(self, out: SampleOutput) -> SampleOutput:
         """A step's sampled tokens and logprobs on the host: the one place the engine waits for the device."""
@@ -187,18 +281,23 @@ class ModelRunner:
         self.device_wait_seconds += time.perf_counter() - waited
         return host
 
-    def warmup(self, buckets: list[int], max_pairs: int) -> None:
-        """Compile the forward of every token bucket in `buckets` (with the greedy and top-k samplers) and the
-        snapshot copies of up to `max_pairs` pairs, by running them on padding only (no request: every write goes
-        to the sinks, KV block 0, state slot 0, snapshot 0). Through the executor, so other hosts compile them
-        too."""
-        for size in buckets:
-            batch = ragged([], [], [], [], size, step.request_bucket(size, self.max_num_seqs), self.table_width)
-            inputs = dict(tokens=np.zeros(size, np.int32), token_source=np.full(size, -1, np.int32),
-                          **batch._asdict(), sample_index=np.zeros(len(batch.query_len), np.int32))
-            buffer, layout = step.pack(inputs)
+    def step_inputs_for(self, size: int) -> tuple[np.ndarray, step.Layout]:
+        """The packed inputs of a step of `size` padding tokens (no request: every write goes to the sinks)."""
+        batch = ragged([], [], [], [], size, step.request_bucket(size, self.max_num_seqs), self.table_width)
+        return step.pack(dict(tokens=np.zeros(size, np.int32), token_source=np.full(size, -1, np.int32),
+                              **batch._asdict(), sample_index=np.zeros(len(batch.query_len), np.int32)))
+
+    def warmup(self, first: list[int], max_pairs: int, background: list[int] = ()) -> None:
+        """Compile the steps of the token buckets `first` (several at once), run each on padding only (no request:
+        every write goes to the sinks, KV block 0, state slot 0, snapshot 0), and the snapshot copies of up to
+        `max_pairs` pairs; then compile the buckets `background` on a thread of their own while the engine serves
+        with the buckets compiled so far. Through the executor, so other hosts compile and run them too."""
+        self.executor([("compile", list(first))])
+        for size in first:
+            buffer, layout = self.step_inputs_for(size)
             tensors = SamplingTensors.build_host([], [], vocab_size=self.vocab_size,
-                                                 batch_size=len(batch.query_len), num_penalty_rows=self.num_slots)
+                                                 batch_size=step.request_bucket(size, self.max_num_seqs),
+                                                 num_penalty_rows=self.num_slots)
             sampling, sampling_layout = step.pack(tensors._asdict())
             for path in (0, 1):
                 jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, path, 0,
@@ -207,3 +306,15 @@ class ModelRunner:
             for n in sorted({bucket(k) for k in range(1, max_pairs + 1)}):
                 self.executor([("restore", *self._pairs([(0, 0)] * n)), ("save", *self._pairs([(0, 0)] * n))])
         jax.block_until_ready(self.cache)
+        rest = [size for size in background if size not in self._forwards]
+        if rest:
+            self._ready = sorted(self._forwards)
+            self._compiling = threading.Thread(target=self._compile_rest, args=(rest,), daemon=True,
+                                               name="qwen-jax-compile")
+            self._compiling.start()
+
+    def _compile_rest(self, sizes: list[int]) -> None:
+        start = time.perf_counter()
+        self.compile(sizes, threads=BACKGROUND_COMPILE_THREADS)
+        self._ready = None
+        log.info("every step bucket is compiled (%.1fs in the background)", time.perf_counter() - start)

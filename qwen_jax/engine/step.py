@@ -75,6 +75,10 @@ def pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
     return np.concatenate(parts) if parts else np.zeros(0, np.int32), Layout(tuple(entries), offset)
 
 
+def layout_shape(layout: Layout, name: str) -> tuple[int, ...]:
+    return next(tuple(shape) for entry, _, shape, _ in layout.entries if entry == name)
+
+
 def as_layout(layout) -> Layout:
     """A Layout again after a trip through a multi-host op list (JSON turns its tuples into lists)."""
     entries, size = layout

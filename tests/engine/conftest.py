@@ -145,9 +145,10 @@ def assert_idle(llm: LLM) -> None:
     assert not engine.seqs and not engine.has_unfinished and not llm.output.requests
 
 
-def compile_counts() -> dict[str, int]:
-    """Entries in the compile caches of every jitted engine program."""
-    return {"forward": step.forward._cache_size(), "sample": step.sample_step._cache_size(),
+def compile_counts(llm: LLM) -> dict[str, int]:
+    """Programs compiled so far: `llm`'s forwards, and the entries in the compile caches of the other programs."""
+    return {"forward": sum(r.runner.num_forwards for r in llm.engine.replicas),
+            "sample": step.sample_step._cache_size(),
             "restore": step.restore_snapshots._cache_size(), "save": step.save_snapshots._cache_size(),
             "penalties": step.init_penalties._cache_size()}
 

@@ -27,9 +27,9 @@ def workload(kit, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
 def test_no_recompilation_in_steady_state(engines, kit):
     llm = engines("hybrid")
     llm.generate(*workload(kit, seed=500))
-    warm = kit.compile_counts()
+    warm = kit.compile_counts(llm)
     outs = llm.generate(*workload(kit, seed=600))
-    assert kit.compile_counts() == warm
+    assert kit.compile_counts(llm) == warm
     assert [len(o.token_ids) for o in outs] == [8, 5, 10, 3, 6, 8]
     assert outs[5].num_cached_tokens == 32 and outs[0].token_ids == outs[5].token_ids
     kit.assert_idle(llm)
@@ -58,8 +58,8 @@ def test_full_warmup_leaves_nothing_to_compile(llama_dir, kit):
     1 to max_num_seqs) compiles no forward: serving never stalls on a compile."""
     llm = LLM(llama_dir, kernels="gpu", **kit.ENGINE_ARGS)
     llm.engine.warmup(full=True)
-    warm = kit.compile_counts()
+    warm = kit.compile_counts(llm)
     prompts = [kit.prompt(n, seed=700 + n, vocab=kit.LLAMA_VOCAB) for n in (3, 40, 17, 60, 9, 33)]
     outs = llm.generate(prompts, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * len(prompts))
     assert [len(o.token_ids) for o in outs] == [4] * len(prompts)
-    assert kit.compile_counts()["forward"] == warm["forward"]
+    assert kit.compile_counts(llm)["forward"] == warm["forward"]

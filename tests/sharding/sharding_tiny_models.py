@@ -1,4 +1,4 @@
-"""Tiny hybrid-MoE (shared expert, 16 experts), hybrid-dense and LLaMA configs and prompts for the sharding tests.
+"""Tiny hybrid-MoE (shared expert, 16 experts), hybrid-dense and LLaMA configs and the steps of the sharding tests.
 
 All float32 and small enough that every layout compiles in seconds on a 2-core CPU; nothing here touches devices."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from qwen_jax.config import ModelConfig, from_hf_dict
-from qwen_jax.models import decoder
+from qwen_jax.engine import step
+from qwen_jax.layers.batch import Ragged, ragged
 
 _HYBRID = {
     "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
@@ -26,7 +27,10 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, MAX_BLOCKS, BATCH = 16, 4, 8, 3, 4
+# REQUESTS: the 3 prompts and one padding request; a request holds at most MAX_BLOCKS blocks (12 tokens).
+NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, MAX_BLOCKS, REQUESTS = 16, 4, 8, 3, 4
+PROMPT_LENS = (7, 3, 5)
+PREFILL_TOKENS, DECODE_TOKENS = 16, 4  # 15 prompt tokens and 3 decode tokens, each padded
 
 
 def tiny_config(name: str) -> ModelConfig:
@@ -34,27 +38,48 @@ def tiny_config(name: str) -> ModelConfig:
 
 
 def sequences(seed: int = 0) -> list[np.ndarray]:
-    """Three prompts of different lengths; a fourth batch row is padding."""
+    """Three prompts of different lengths."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(1, 256, size=n) for n in (7, 3, 5)]
+    return [rng.integers(1, 256, size=n).astype(np.int32) for n in PROMPT_LENS]
 
 
-def step_batches(data_parallel: int) -> list[dict]:
-    """Prefill of three prompts (lengths 7, 3, 5; row 3 is padding), then two decode steps. Block tables and
-    state slots are replica-local: row r of a replica with `rows` rows uses slot 1 + r and blocks 1 + 3r.."""
-    rows = BATCH // data_parallel
+def step_batches() -> list[tuple[np.ndarray, Ragged]]:
+    """(tokens [T], Ragged) of three steps: the three prompts prefilled in one ragged batch, then two decode steps
+    of one random token each. Request r uses state slot 1 + r and KV blocks 1 + 3r, 2 + 3r, 3 + 3r; the fourth
+    request and the tokens past the real ones are padding."""
     prompts = sequences()
-    tokens = np.zeros((BATCH, max(len(p) for p in prompts)), np.int32)
-    for r, p in enumerate(prompts):
-        tokens[r, :len(p)] = p
-    lens = np.array([len(p) for p in prompts] + [0])
-    local = np.arange(BATCH) % rows
-    tables = np.where(lens[:, None] > 0, 1 + local[:, None] * MAX_BLOCKS + np.arange(MAX_BLOCKS), 0)
-    slots = np.where(lens > 0, 1 + local, 0)
-    batches = [decoder.make_batch(tokens, np.zeros(BATCH), lens, slots, tables)]
+    slots = [1 + r for r in range(len(prompts))]
+    tables = [[1 + MAX_BLOCKS * r + b for b in range(MAX_BLOCKS)] for r in range(len(prompts))]
+    tokens = np.zeros(PREFILL_TOKENS, np.int32)
+    tokens[:sum(PROMPT_LENS)] = np.concatenate(prompts)
+    steps = [(tokens, ragged([0] * len(prompts), PROMPT_LENS, slots, tables, PREFILL_TOKENS, REQUESTS, MAX_BLOCKS))]
     rng = np.random.default_rng(1)
-    positions, new = lens.copy(), (lens > 0).astype(np.int32)
-    for _ in range(2):
-        batches.append(decoder.make_batch(rng.integers(1, 256, (BATCH, 1)), positions, new, slots, tables))
-        positions = positions + new
-    return batches
+    for n in range(2):
+        tokens = np.zeros(DECODE_TOKENS, np.int32)
+        tokens[:len(prompts)] = rng.integers(1, 256, len(prompts))
+        starts = [length + n for length in PROMPT_LENS]
+        steps.append((tokens, ragged(starts, [1] * len(prompts), slots, tables, DECODE_TOKENS, REQUESTS, MAX_BLOCKS)))
+    return steps
+
+
+def sample_index(batch: Ragged) -> np.ndarray:
+    """Each request's last token (the engine's choice of which logits to compute; 0 for padding requests)."""
+    return np.maximum(batch.query_start + batch.query_len - 1, 0).astype(np.int32)
+
+
+def packed_steps() -> list[tuple[np.ndarray, np.ndarray, step.Layout]]:
+    """step_batches as engine.step.forward's inputs: (last_tokens [REQUESTS], packed buffer, layout) per step. The
+    second decode step reads its tokens from last_tokens (as the engine feeds a decode row the token the previous
+    step sampled, still on the device), the other steps from the buffer; both decode steps have one layout."""
+    packed = []
+    for i, (tokens, batch) in enumerate(step_batches()):
+        last_tokens = np.zeros(REQUESTS, np.int32)
+        source = np.full(len(tokens), -1, np.int32)
+        if i == 2:
+            real = np.flatnonzero(batch.token_valid)
+            last_tokens[:len(real)], source[real] = tokens[real], np.arange(len(real))
+            tokens = np.zeros_like(tokens)
+        buffer, layout = step.pack(dict(tokens=tokens, token_source=source, **batch._asdict(),
+                                        sample_index=sample_index(batch)))
+        packed.append((last_tokens, buffer, layout))
+    return packed

@@ -22,7 +22,8 @@ LAYOUTS = {"tp2": (2, False), "tp4": (4, False), "tp8": (8, False), "ep4": (4, T
 ENGINE_ARGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=8, num_kv_blocks=24,
                    num_snapshots=8, seed=0, enable_prefix_caching=True)
 # Lengths 10, 11 and 13 (+ 3 new tokens: 2 KV blocks at most) prefill in two chunks cut at their snapshot boundary
-# (token 8), all rows in step: 3 compiled step shapes per layout (compiling is what this test spends its time on).
+# (token 8), all rows in step: 3 token buckets per layout, 32 (3 x 8), 16 (the tails) and 4 (3 decode rows);
+# compiling is what this test spends its time on.
 PROMPTS = [[int(t) for t in np.random.default_rng(seed).integers(1, 128, n)] for seed, n in enumerate((10, 11, 13))]
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
 # Leaves the rules keep whole on every device in this model: norms, router, shared-expert gate, and the KV / GDN
@@ -67,7 +68,7 @@ def reference(model_dir) -> list:
 def test_sharded_engine_matches_single_device(model_dir, reference, layout):
     tp, ep = LAYOUTS[layout]
     llm = LLM(model_dir, tensor_parallel_size=tp, enable_expert_parallel=ep, **ENGINE_ARGS)
-    m = llm.engine.cores[0].mesh
+    m = llm.engine.replicas[0].mesh
     assert mesh.model_parallel_size(m) == tp and m.shape[mesh.EXPERT] == (tp if ep else 1)
     outputs = _generate_twice(llm)
     for out, ref in zip(outputs, reference, strict=True):
@@ -95,8 +96,8 @@ def test_sharded_engine_with_pallas_kernels_matches_single_device(model_dir, ref
 
 def _assert_weights_split(llm: LLM, n: int) -> None:
     """Each of the n devices holds total/n of the weights plus the few leaves the rules replicate."""
-    core = llm.engine.cores[0]
-    cfg, m, params = llm.engine.cfg, core.mesh, core.runner.params
+    replica = llm.engine.replicas[0]
+    cfg, m, params = llm.engine.cfg, replica.mesh, replica.runner.params
     per_device = rules.bytes_per_device(params)
     assert set(per_device) == set(m.devices.flat)
     specs = jax.tree.leaves(rules.param_specs(cfg, m), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -117,10 +118,10 @@ def _assert_weights_split(llm: LLM, n: int) -> None:
 
 def _assert_cache_split(llm: LLM) -> None:
     """KV pages and GDN state (and the prefix-cache snapshots) take their rules' per-device share."""
-    core = llm.engine.cores[0]
-    runner = core.runner
-    expected = rules.cache_bytes_per_device(core.cfg, core.mesh, core.num_blocks, runner.block_size,
-                                            core.max_num_seqs + 1)
+    replica = llm.engine.replicas[0]
+    runner = replica.runner
+    expected = rules.cache_bytes_per_device(replica.cfg, replica.mesh, replica.num_blocks, runner.block_size,
+                                            replica.max_num_seqs + 1)
     assert set(rules.bytes_per_device(runner.cache).values()) == {expected}
     whole = sum(a.nbytes for a in jax.tree.leaves(runner.cache))
     assert expected < whole  # GDN state is split over heads at every size

@@ -1,8 +1,9 @@
-"""Two processes x 4 CPU devices joined by jax.distributed (gloo collectives) run one TP 8 expert-parallel mesh and
-give the same logits as one process on one device."""
+"""Two processes x 4 CPU devices joined by jax.distributed (gloo collectives) run the engine's step program on one
+TP 8 expert-parallel mesh and give the same logits as decoder.forward in one process on one device."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import jax
 import numpy as np
 from sharding_hosts import HERE, free_port, host_env
-from sharding_tiny_models import BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, step_batches, tiny_config
+from sharding_tiny_models import BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, sample_index, step_batches, tiny_config
 
 from qwen_jax.models import decoder
 
@@ -39,11 +40,11 @@ def test_two_processes_give_single_process_logits(tmp_path):
     cfg = tiny_config("qwen3_5_moe")
     params = decoder.random_params(cfg, seed=0, scale=0.05)
     cache = decoder.init_cache(cfg, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
-    forward = jax.jit(lambda p, c, b: decoder.forward(p, c, b, cfg))
+    forward = jax.jit(functools.partial(decoder.forward, cfg=cfg))
     results = [np.load(o) for o in outs]
-    for step, batch in enumerate(step_batches(1)):
-        ref, cache = forward(params, cache, batch)
-        ref = np.asarray(ref)[:3]
+    for step, (tokens, batch) in enumerate(step_batches()):
+        ref, cache = forward(params, cache, tokens, batch, sample_index=sample_index(batch))
+        ref = np.asarray(ref)[:3]  # the fourth request is padding
         for host, result in enumerate(results):
             rel = np.abs(result[f"arr_{step}"][:3] - ref).max() / np.abs(ref).max()
             assert rel <= 1e-5, f"host {host} step {step}: relative error {rel:.2e}"

@@ -15,10 +15,10 @@ import urllib.request
 
 import numpy as np
 from sharding_hosts import HERE, ROOT, free_port, host_env
-from sharding_serving_worker import ENGINE_ARGS, drive, drive_replicas
+from sharding_serving_worker import DRIVE_ISSUED, DRIVE_STEPS, ENGINE_ARGS, drive, drive_replicas
 
-from qwen_jax.engine import multihost
-from qwen_jax.engine.llm_engine import LLMEngine
+from qwen_jax.engine import multihost, step
+from qwen_jax.engine.core import EngineCore
 
 TIMEOUT_S = 240
 
@@ -47,12 +47,17 @@ def _failure(procs: list[subprocess.Popen], logs: list) -> str:
 
 
 def test_op_lists_round_trip_through_bytes():
+    """A step's op list (as ModelRunner.prepare writes it) comes back with its arrays and values, and its layouts
+    (JSON lists after the trip) become the same Layouts again."""
+    buffer, layout = step.pack({"tokens": np.arange(6, dtype=np.int32), "valid": np.array([True, False])})
+    sampling, sampling_layout = step.pack({"temperature": np.array([0.5, 0.0], np.float32),
+                                           "seeds": np.array([7, 1], np.uint32)})
     ops = [("restore", np.array([3, 0], np.int32), np.array([1, 0], np.int32)),
-           ("forward", {"tokens": np.arange(6, dtype=np.int32).reshape(2, 3)},
-            (np.array([0.5, 0.0], np.float32), np.zeros((2, 0), np.int32), np.array([[7, 1, 2]], np.uint32)), 20),
+           ("step", buffer, layout, sampling, sampling_layout, 1, 20, False),
            ("save", np.array([1], np.int32), np.array([2], np.int32))]
     back = multihost.unpack(multihost.pack(ops))
-    assert [op[0] for op in back] == ["restore", "forward", "save"] and back[1][3] == 20
+    assert [op[0] for op in back] == ["restore", "step", "save"] and back[1][5:] == [1, 20, False]
+    assert step.as_layout(back[1][2]) == layout and step.as_layout(back[1][4]) == sampling_layout
     for got, want in zip(_leaves(back), _leaves(ops), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
 
@@ -94,9 +99,10 @@ def test_two_hosts_serve_the_single_host_greedy_tokens(tmp_path):
     leader, follower = (json.loads(o.read_text()) for o in outs)
     print(f"2 hosts: {time.perf_counter() - start:.1f} s; {leader['messages']} messages, {leader['bytes']} bytes, "
           f"{1e3 * leader['send_seconds'] / leader['messages']:.2f} ms to send one")
-    assert leader["messages"] == leader["steps"] == follower["steps"]  # one message per engine step
+    # One message per step issued, received and run by host 1; step() calls that only read a step back send none.
+    assert leader["messages"] == follower["steps"] == DRIVE_ISSUED and leader["steps"] == DRIVE_STEPS
 
-    reference, steps = drive(LLMEngine(model_dir, **ENGINE_ARGS))
+    reference, steps = drive(EngineCore(model_dir, **ENGINE_ARGS))
     assert steps == leader["steps"]
     assert leader["tokens"] == reference
 
@@ -118,7 +124,7 @@ def test_data_parallel_replicas_on_two_hosts_give_the_single_host_greedy_tokens(
     assert leader["replica"] == {"r0": 0, "r1": 1, "r2": 2, "r3": 3}  # one request per replica
     assert set(leader["messages"]) == {"2", "3"} and min(leader["messages"].values()) > 0  # host 0's own: no message
     assert follower["steps"] == sum(leader["messages"].values())
-    assert leader["tokens"] == drive_replicas(LLMEngine(model_dir, **ENGINE_ARGS))[0]
+    assert leader["tokens"] == drive_replicas(EngineCore(model_dir, **ENGINE_ARGS))[0]
 
 
 def test_server_on_two_hosts_answers_on_host_0_only(tmp_path):

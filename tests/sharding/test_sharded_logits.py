@@ -1,22 +1,36 @@
-"""Sharded forward steps (TP 2/4/8, EP 8, DP 2 x TP 4) give the single-device logits, hold about 1/N of the
-weights per device, and issue the expected collectives per decode step."""
+"""The engine's served step (engine/step.py's forward) on TP 2/4/8 and EP 8 meshes gives the single-device
+decoder.forward logits, holds about 1/N of the weights per device, and issues the expected collectives per decode
+step. Data parallelism is one such program per replica (tests/sharding/test_data_parallel.py)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
 import pytest
-from sharding_tiny_models import BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, step_batches, tiny_config
+from sharding_tiny_models import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    NUM_SLOTS,
+    packed_steps,
+    sample_index,
+    step_batches,
+    tiny_config,
+)
 
+from qwen_jax.bench import collectives
+from qwen_jax.engine import step
 from qwen_jax.models import decoder
-from sharding import collectives, mesh, rules, step
+from sharding import mesh, rules
 
-LAYOUTS = ("tp2", "tp4", "tp8", "ep8", "dp2xtp4")
+LAYOUTS = ("tp2", "tp4", "tp8", "ep8")
 # The MoE kernel's tiles need 16 columns per device: the 32-column experts split at most 2 ways.
-KERNEL_LAYOUTS = ("tp2", "ep8", "dp2xep4")
+KERNEL_LAYOUTS = ("tp2", "ep8", "ep4")
 # Leaves that stay whole on every device: norms, the router, the shared-expert gate scalar per token.
 SMALL_REPLICATED = {"input_norm", "post_norm", "final_norm", "q_norm", "k_norm", "norm", "router",
                     "shared_expert_gate"}
+NUM_REAL = 3  # requests; the fourth is padding
 
 
 @pytest.fixture(scope="module")
@@ -25,19 +39,20 @@ def reference(tiny_name):
     cfg = tiny_config(tiny_name)
     params = decoder.random_params(cfg, seed=0, scale=0.05)
     cache = decoder.init_cache(cfg, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
-    forward = jax.jit(lambda p, c, b: decoder.forward(p, c, b, cfg))
+    forward = jax.jit(functools.partial(decoder.forward, cfg=cfg))
     logits = []
-    for batch in step_batches(1):
-        out, cache = forward(params, cache, batch)
-        logits.append(np.asarray(out))
+    for tokens, batch in step_batches():
+        out, cache = forward(params, cache, tokens, batch, sample_index=sample_index(batch))
+        logits.append(np.asarray(out)[:NUM_REAL])
     return cfg, jax.tree.map(np.asarray, params), logits
 
 
 def expected_decode_collectives(cfg) -> dict[str, int]:
-    """Two all-reduces per layer (mixer output, MLP/MoE output) + one for the vocab-split embedding lookup, and one
-    all-gather for the vocab-split logits, at every model-parallel size. Attention and the delta rule run per head
-    inside a shard_map (sharding/ops.py), so replicated KV (GDN key) heads are computed whole on every device, never
-    split and gathered."""
+    """Two all-reduces per layer (mixer output projection, MLP/MoE output) + one for the vocab-split embedding
+    lookup, and one all-gather for the vocab-split logits (replicated for the sampler), at every model-parallel
+    size. Unpacking the inputs and picking decode tokens from the previous step's samples work on replicated arrays
+    (no collective). Attention and the delta rule run per head inside a shard_map (sharding/ops.py), so replicated
+    KV (GDN key) heads are computed whole on every device, never split and gathered."""
     return {"all-reduce": 2 * cfg.num_layers + 1, "all-gather": 1, "all-to-all": 0, "reduce-scatter": 0,
             "collective-permute": 0}
 
@@ -50,18 +65,22 @@ def test_sharded_steps_match_single_device_logits(reference, layout):
 @pytest.mark.parametrize("layout", KERNEL_LAYOUTS)
 def test_sharded_pallas_kernels_match_single_device_logits(reference, layout):
     """kernels="gpu" (interpreted on the CPU) inside the shard_maps: each device runs the attention, GDN and MoE
-    kernels on its own heads and experts, where KV / GDN key heads are split (tp2) or replicated (ep8, dp2xep4)."""
+    kernels on its own heads and experts, where KV / GDN key heads are split (tp2) or replicated (ep8, ep4)."""
     cfg = _check_sharded_steps(reference, layout, "gpu")
     m = collectives.mesh_for(layout)
-    batch = step_batches(m.shape[mesh.DATA])[1]  # a decode step
+    last_tokens, buffer, layout_ = packed_steps()[1]  # a decode step
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), reference[1])
     cache = decoder.cache_shapes(cfg, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
-    calls = _pallas_calls(jax.make_jaxpr(step.sharded_forward(cfg, m))(shapes, cache, batch).jaxpr)
+    traced = step.forward.trace(shapes, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
+    calls = _pallas_calls(traced.jaxpr.jaxpr)
     shards = lambda logical, size: rules.num_shards(rules.logical_to_spec((logical,), (size,), m), m)  # noqa: E731
-    # Operands: paged_attention (context_lens, tables, positions, kv start, q [B, S, heads, D], ...), gdn_decode
-    # (slots, fresh, q, k, v, a, b, A_log, dt_bias, state [slots, nv, dk, dv]), moe_few_gate_up (the decode MoE:
-    # first_expert, ids, weights, x, w_gate [E, H, I], w_up).
-    assert calls["paged_attention"][4][2] == cfg.num_heads // shards("heads", cfg.num_heads)
+    # Operands: paged_attention_prefill (work, token_valid, query_start, query_len, context_len, block_table,
+    # positions, kv_head_start, q [T, heads, D], k, v) and paged_attention_decode (the same from query_start);
+    # gdn_decode (query_start, query_len, state_slot, fresh, q, k, v, a, b, A_log, dt_bias, out,
+    # state [slots, nv, dk, dv]); moe_few_gate_up (the few-token MoE: first_expert, ids, weights, x, w_gate [E, H, I],
+    # w_up).
+    heads = cfg.num_heads // shards("heads", cfg.num_heads)
+    assert calls["paged_attention_prefill"][8][1] == calls["paged_attention_decode"][6][1] == heads
     if cfg.linear_layers:
         nv = cfg.linear_num_value_heads
         assert calls["gdn_decode"][-1][1] == nv // shards("gdn_value_heads", nv)
@@ -70,8 +89,8 @@ def test_sharded_pallas_kernels_match_single_device_logits(reference, layout):
 
 
 def _pallas_calls(jaxpr) -> dict[str, list[tuple]]:
-    """Operand shapes of the Pallas calls in a jaxpr (inside shard_maps and other sub-jaxprs), by kernel name;
-    every call of one kernel must have the same shapes."""
+    """Operand shapes of the Pallas calls in a jaxpr (inside jits, shard_maps and other sub-jaxprs), by kernel
+    name; every call of one kernel must have the same shapes."""
     found: dict[str, list[tuple]] = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
@@ -93,20 +112,21 @@ def _check_sharded_steps(reference, layout: str, kernels: str):
     cfg = cfg.with_kernels(kernels)
     m = collectives.mesh_for(layout)
     params = rules.put_tree(host_params, rules.param_shardings(cfg, m))
-    cache = step.init_cache(cfg, m, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
-    forward = step.jit_forward(cfg, m, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
-    batches = step_batches(m.shape[mesh.DATA])
+    cache = rules.init_cache(cfg, m, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
     decode = None
-    for i, (batch, ref) in enumerate(zip(batches, ref_logits, strict=True)):
-        if i == 1:
-            decode = forward.lower(params, cache, batch).compile()
-        logits, cache = (forward if i == 0 else decode)(params, cache, batch)
-        logits = np.asarray(logits)[:3]  # row 3 is padding
-        rel = np.abs(logits - ref[:3]).max() / np.abs(ref[:3]).max()
+    for i, ((last_tokens, buffer, layout_), ref) in enumerate(zip(packed_steps(), ref_logits, strict=True)):
+        last_tokens, buffer = jax.device_put((last_tokens, buffer), step.replicated(m))
+        if i == 1:  # both decode steps have one layout: one program
+            decode = step.forward.lower(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m).compile()
+        if i == 0:
+            logits, cache = step.forward(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
+        else:
+            logits, cache = decode(params, cache, last_tokens, buffer)
+        logits = np.asarray(logits)[:NUM_REAL]
+        rel = np.abs(logits - ref).max() / np.abs(ref).max()
         assert rel <= 1e-5, f"step {i}: relative error {rel:.2e}"
-    model_size = mesh.model_parallel_size(m)
     assert collectives.count_collectives(decode.as_text()) == expected_decode_collectives(cfg)
-    _assert_about_one_nth_per_device(cfg, m, params, host_params, model_size)
+    _assert_about_one_nth_per_device(cfg, m, params, host_params, mesh.model_parallel_size(m))
     return cfg
 
 
