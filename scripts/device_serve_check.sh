@@ -16,15 +16,30 @@ since() { python3 -c "import sys; print(round($(now) - float(sys.argv[1]), 1))" 
 
 t0=$(now); ./start.sh "${ARGS[@]}" > "$OUT/start.txt" 2>&1 || { tail -40 "$OUT/server.log"; exit 1; }
 echo "cold_start_s $(since "$t0")"
+step_costs() {  # per-step host costs over one level, from two /metrics scrapes
+  python3 - "$1" "$2" <<'PY'
+import re, sys
+def read(path):
+    return {m[1]: float(m[2]) for m in re.finditer(r"^qwen_jax_(engine_step\w*|generation_tokens)_total (\S+)", open(path).read(), re.M)}
+a, b = read(sys.argv[1]), read(sys.argv[2])
+d = {k: b[k] - a.get(k, 0.0) for k in b}
+n = max(d.get("engine_steps", 0), 1)
+print(f"steps {n:.0f}: wall {1e3 * d['engine_step_seconds'] / n:.2f} ms/step, plan+issue "
+      f"{1e3 * d['engine_step_plan_seconds'] / n:.2f}, of which dispatch {1e3 * d['engine_step_dispatch_seconds'] / n:.2f}, "
+      f"device wait {1e3 * d['engine_step_device_wait_seconds'] / n:.2f}; tokens {d['generation_tokens']:.0f}")
+PY
+}
+until grep -q "every step bucket is compiled" "$OUT/server.log"; do sleep 2; done
+echo "all_buckets_compiled_s $(since "$t0")"
 for c in ${LEVELS:-1 64 256}; do
-  if [[ $c != 1 ]]; then  # the background compile of every bucket, which a level above 1 needs
-    until grep -q "every step bucket is compiled" "$OUT/server.log"; do sleep 2; done
-  fi
+  curl -s "$URL/metrics" > "$OUT/metrics_before_c$c.txt"
   timeout 400 python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" --concurrency "$c" \
     --waves 1 --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
     --device-count 1 --layout TP=1 --weights random --model-config "$MODEL/config.json" --no-progress \
     --label "kernels=${KERNELS:-gpu} max_num_seqs=${MAX_NUM_SEQS:-256}" > "$OUT/serve_c$c.txt" 2>&1
   grep -A3 "^ conc" "$OUT/serve_c$c.txt" | head -3
+  curl -s "$URL/metrics" > "$OUT/metrics_after_c$c.txt"
+  step_costs "$OUT/metrics_before_c$c.txt" "$OUT/metrics_after_c$c.txt"
 done
 curl -s "$URL/metrics" > "$OUT/metrics.txt"
 grep "^qwen_jax_engine_step\|^qwen_jax_generation_tokens_total" "$OUT/metrics.txt"

@@ -28,11 +28,10 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "mlp": MODEL_AXES,  # dense MLP and shared-expert columns
     "experts": (EXPERT,),
     "expert_mlp": (TENSOR,),  # columns of each routed expert
-    "batch": (DATA,),
     "cache_blocks": (DATA,),
     "cache_slots": (DATA,),
 }
-DATA_LOGICAL = ("batch", "cache_blocks", "cache_slots")  # must divide: each DP replica owns its rows and pages
+DATA_LOGICAL = ("cache_blocks", "cache_slots")  # must divide: each replica of a data axis owns its pages and slots
 
 # Leaf name -> logical axis per dimension (None: replicated), by where the leaf sits in the tree.
 _NORM = ("hidden",)
@@ -156,13 +155,6 @@ def cache_bytes_per_device(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_
     return sum(-(-s.size // num_shards(spec, mesh)) * s.dtype.itemsize
                for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
                                   strict=True))
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batch entries and logits have the batch rows first: rows split over data (replica r gets the r-th contiguous
-    block, whose block tables and state slots index that replica's own cache shard), whole over the model axes
-    (the sampler sees the full vocabulary)."""
-    return NamedSharding(mesh, P(DATA) if mesh.shape[DATA] > 1 else P())
 
 
 def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -18,9 +18,8 @@ def free_port() -> int:
 
 
 def host_env(devices: int) -> dict:
-    """os.environ for a child process with `devices` fake CPU devices that imports the repo and these helpers. The
-    parent's other XLA flags stay (tests/conftest.py's scheduler flag: without it the two processes' collectives
-    deadlocked)."""
+    """os.environ for a child process with `devices` fake CPU devices that imports the repo and these helpers; the
+    parent's other XLA flags stay."""
     inherited = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
                  if not flag.startswith("--xla_force_host_platform_device_count")]
     flags = " ".join([*inherited, f"--xla_force_host_platform_device_count={devices}"]
