@@ -22,7 +22,8 @@ def make_mesh(tensor_parallel_size: int | None = None, data_parallel_size: int =
               enable_expert_parallel: bool = False, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Mesh over the first dp x tp of `devices` (default: every device of every host), axes (data, expert, tensor).
 
-    data   = data_parallel_size: independent replicas, each with its own batch rows and KV/state cache shard.
+    data   = data_parallel_size: independent replicas (the engine cuts them apart with replica_meshes and runs a
+    program per replica; none runs over this axis).
     Inside a replica the tensor_parallel_size devices split attention heads, GDN heads, dense MLPs and the vocab.
     enable_expert_parallel decides how those devices split the routed experts: True puts them on the expert axis
     (mesh (dp, tp, 1): each device holds E/tp whole experts), False on the tensor axis (mesh (dp, 1, tp): every

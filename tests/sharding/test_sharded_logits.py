@@ -66,13 +66,9 @@ def test_sharded_steps_match_single_device_logits(reference, layout):
 def test_sharded_pallas_kernels_match_single_device_logits(reference, layout):
     """kernels="gpu" (interpreted on the CPU) inside the shard_maps: each device runs the attention, GDN and MoE
     kernels on its own heads and experts, where KV / GDN key heads are split (tp2) or replicated (ep8, ep4)."""
-    cfg = _check_sharded_steps(reference, layout, "gpu")
+    cfg, decode = _check_sharded_steps(reference, layout, "gpu")
     m = collectives.mesh_for(layout)
-    last_tokens, buffer, layout_ = packed_steps()[1]  # a decode step
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), reference[1])
-    cache = decoder.cache_shapes(cfg, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
-    traced = step.forward.trace(shapes, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
-    calls = _pallas_calls(traced.jaxpr.jaxpr)
+    calls = _pallas_calls(decode.jaxpr.jaxpr)
     shards = lambda logical, size: rules.num_shards(rules.logical_to_spec((logical,), (size,), m), m)  # noqa: E731
     # Operands: paged_attention_prefill (work, token_valid, query_start, query_len, context_len, block_table,
     # positions, kv_head_start, q [T, heads, D], k, v) and paged_attention_decode (the same from query_start);
@@ -106,8 +102,9 @@ def _pallas_calls(jaxpr) -> dict[str, list[tuple]]:
     return found
 
 
-def _check_sharded_steps(reference, layout: str, kernels: str):
-    """The steps' logits, decode collectives and weight bytes per device; returns the config it ran."""
+def _check_sharded_steps(reference, layout: str, kernels: str) -> tuple:
+    """The steps' logits, decode collectives and weight bytes per device; returns the config it ran and the decode
+    step's trace."""
     cfg, host_params, ref_logits = reference
     cfg = cfg.with_kernels(kernels)
     m = collectives.mesh_for(layout)
@@ -117,17 +114,18 @@ def _check_sharded_steps(reference, layout: str, kernels: str):
     for i, ((last_tokens, buffer, layout_), ref) in enumerate(zip(packed_steps(), ref_logits, strict=True)):
         last_tokens, buffer = jax.device_put((last_tokens, buffer), step.replicated(m))
         if i == 1:  # both decode steps have one layout: one program
-            decode = step.forward.lower(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m).compile()
+            decode = step.forward.trace(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
+            program = decode.lower().compile()
         if i == 0:
             logits, cache = step.forward(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
         else:
-            logits, cache = decode(params, cache, last_tokens, buffer)
+            logits, cache = program(params, cache, last_tokens, buffer)
         logits = np.asarray(logits)[:NUM_REAL]
         rel = np.abs(logits - ref).max() / np.abs(ref).max()
         assert rel <= 1e-5, f"step {i}: relative error {rel:.2e}"
-    assert collectives.count_collectives(decode.as_text()) == expected_decode_collectives(cfg)
+    assert collectives.count_collectives(program.as_text()) == expected_decode_collectives(cfg)
     _assert_about_one_nth_per_device(cfg, m, params, host_params, mesh.model_parallel_size(m))
-    return cfg
+    return cfg, decode
 
 
 def _assert_about_one_nth_per_device(cfg, m, params, host_params, model_size):

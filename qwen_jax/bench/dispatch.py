@@ -1,0 +1,111 @@
+"""What issuing one engine step costs the host: `python -m qwen_jax.bench.dispatch --config config.json`.
+
+Builds one replica on random weights with the real shapes (the full model by default), compiles the one-token step,
+then times, over many steps issued one ahead of the device as the engine issues them: the transfer of the step's
+inputs, the forward's call, the sampler's call; and, for comparison, a jitted program that only touches every
+argument the forward takes (params and cache), so the cost of passing them shows on its own. Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen_jax.config import load_config
+from qwen_jax.engine import step
+from qwen_jax.engine.replica import Replica
+from qwen_jax.engine.sampler import SamplingTensors
+from qwen_jax.weights import dummy_params
+from sharding import rules
+from sharding.mesh import make_mesh
+
+
+def median_us(samples: list[float]) -> float:
+    return round(1e6 * statistics.median(samples), 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--kernels", default="gpu")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config).with_kernels(args.kernels)
+    mesh = make_mesh(1)
+    params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
+    engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, block_size=16,
+                       gpu_memory_utilization=0.9, enable_prefix_caching=False, num_snapshots=0,
+                       cpu_cache_budget_gib=2.0, num_kv_blocks=4096)
+    replica = Replica(0, cfg, params, mesh, engine_args, 4096, [0], seed=0)
+    runner = replica.runner
+    leaves = len(jax.tree.leaves(params)), len(jax.tree.leaves(runner.cache))
+    rows = []
+
+    # 1. Passing the arguments alone: a program that reads one element of every param and writes nothing back but
+    # the donated cache.
+    @jax.jit
+    def touch(params, cache, buffer):
+        total = sum(jnp.sum(leaf.reshape(-1)[:1].astype(jnp.float32)) for leaf in jax.tree.leaves(params))
+        return total + buffer[0], cache
+
+    touch = jax.jit(touch.__wrapped__, donate_argnums=(1,))
+    buffer = runner._put(np.zeros(64, np.int32))
+    out, runner.cache = touch(params, runner.cache, buffer)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out, runner.cache = touch(params, runner.cache, buffer)
+        times.append(time.perf_counter() - t0)
+    jax.block_until_ready(out)
+    rows.append(("jit call, params + cache only (no work)", median_us(times)))
+
+    # 2. The real one-token step, issued one ahead: transfer, forward, sampler.
+    runner.compile([1])
+    host, layout = runner.step_inputs_for(1)
+    tensors = SamplingTensors.build_host([], [], vocab_size=cfg.vocab_size, batch_size=1,
+                                         num_penalty_rows=runner.num_slots)
+    sampling, sampling_layout = step.pack(tensors._asdict())
+    forward = runner._forward(layout)
+    sample = runner._sampler(sampling_layout, 0, 0, False)
+    put, call_f, call_s, whole = [], [], [], []
+    previous = None
+    for i in range(args.steps + 5):
+        t0 = time.perf_counter()
+        device_in = runner._put((host, sampling))
+        t1 = time.perf_counter()
+        logits, runner.cache = forward(params, runner.cache, runner.last_tokens, device_in[0])
+        t2 = time.perf_counter()
+        result, runner.last_tokens, _ = sample(logits, device_in[1], None)
+        t3 = time.perf_counter()
+        if previous is not None:
+            jax.device_get(previous.tokens)
+        previous = result
+        if i >= 5:
+            put.append(t1 - t0)
+            call_f.append(t2 - t1)
+            call_s.append(t3 - t2)
+            whole.append(time.perf_counter() - t0)
+    rows += [("transfer of the step's inputs", median_us(put)), ("forward call (1 token)", median_us(call_f)),
+             ("sampler call", median_us(call_s)), ("whole step, issued one ahead", median_us(whole))]
+    blocked = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        logits, runner.cache = forward(params, runner.cache, runner.last_tokens, device_in[0])
+        jax.block_until_ready(logits)
+        blocked.append(time.perf_counter() - t0)
+    rows.append(("forward call and wait (1 token)", median_us(blocked)))
+    print(f"\n{leaves[0]} param leaves, {leaves[1]} cache leaves, {jax.devices()[0].device_kind}")
+    print("| what | host us (median) |\n|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us} |")
+
+
+if __name__ == "__main__":
+    main()
