@@ -25,6 +25,42 @@ from sharding import rules
 from sharding.mesh import make_mesh
 
 
+def host_table(one_step, steps: int) -> None:
+    """Trace `steps` steps issued one ahead; print the host events (summed per name over every host thread) and the
+    GPU kernels, per step."""
+    import collections
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    previous = one_step()
+    jax.block_until_ready(previous)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(steps):
+            result = one_step()
+            jax.device_get(previous.tokens)
+            previous = result
+        jax.block_until_ready(previous)
+        jax.profiler.stop_trace()
+        host, kernels = collections.defaultdict(float), collections.Counter()
+        gpu_us = 0.0
+        for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+            for plane in ProfileData.from_file(path).planes:
+                for line in plane.lines:
+                    for event in line.events:
+                        if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
+                            kernels[event.name] += 1
+                            gpu_us += event.duration_ns / 1e3
+                        elif plane.name.startswith("/host"):
+                            host[f"{line.name}: {event.name}"[:110]] += event.duration_ns / 1e3
+    print(f"\nper step: {sum(kernels.values()) / steps:.0f} GPU kernels, {gpu_us / steps:.0f} us of GPU time")
+    print("| host thread: event | us per step |\n|---|---|")
+    for name, us in sorted(host.items(), key=lambda item: -item[1])[:40]:
+        print(f"| {name} | {us / steps:.1f} |")
+
+
 def median_us(samples: list[float]) -> float:
     return round(1e6 * statistics.median(samples), 1)
 
@@ -35,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", default="gpu")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace 20 steps issued one ahead: the host's events and the GPU's kernels per step")
     args = parser.parse_args(argv)
     cfg = load_config(args.config).with_kernels(args.kernels)
     mesh = make_mesh(1)
@@ -101,6 +139,14 @@ def main(argv: list[str] | None = None) -> None:
         jax.block_until_ready(logits)
         blocked.append(time.perf_counter() - t0)
     rows.append(("forward call and wait (1 token)", median_us(blocked)))
+    if args.profile:
+        def one_step():
+            device_in = runner._put((host, sampling))
+            logits, runner.cache = forward(params, runner.cache, runner.last_tokens, device_in[0])
+            result, runner.last_tokens, _ = sample(logits, device_in[1], None)
+            return result
+
+        host_table(one_step, steps=20)
     print(f"\n{leaves[0]} param leaves, {leaves[1]} cache leaves, {jax.devices()[0].device_kind}")
     print("| what | host us (median) |\n|---|---|")
     for name, us in rows:
