@@ -152,6 +152,18 @@ def _launcher(triton_call):
     return jax_triton.triton_call
 
 
+def _token_launch(triton_call, x3, flat_cache, missing, w3, meta, flat_x, xs, tokens, block_t, block_c, channels,
+                  kernel, num_warps):
+    """The token launch: every prefill request's outputs, 0 at padding tokens."""
+    return _launcher(triton_call)(
+        *x3, *flat_cache, *flat_cache[:1] * missing, *w3, *meta, kernel=_token_kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat_x) +
+        (jax.ShapeDtypeStruct((1, 1), xs[0].dtype),) * missing,
+        grid=(-(-tokens // block_t), sum(-(-c // block_c) for c in channels)), num_warps=num_warps, num_stages=1,
+        enable_fp_fusion=False, name="gdn_causal_conv", TOKENS=tokens, C0=channels[0], C1=channels[1],
+        C2=channels[2], KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c)
+
+
 def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
                  batch: Any, *, block_t: int = 64, block_c: int = 64, request_block_c: int = 256,
                  num_warps: int = 4, triton_call=None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -183,13 +195,11 @@ def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weigh
     x3, w3 = flat_x + flat_x[:1] * missing, flat_w + flat_w[:1] * missing
     meta = [jnp.asarray(a, jnp.int32) for a in (batch.token_request, batch.token_valid, batch.query_start,
                                                 batch.query_len, batch.state_slot, batch.fresh)]
-    outs = _launcher(triton_call)(
-        *x3, *flat_cache, *flat_cache[:1] * missing, *w3, *meta, kernel=_token_kernel,
-        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat_x) +
-        (jax.ShapeDtypeStruct((1, 1), xs[0].dtype),) * missing,
-        grid=(-(-tokens // block_t), sum(-(-c // block_c) for c in channels)), num_warps=num_warps, num_stages=1,
-        enable_fp_fusion=False, name="gdn_causal_conv", TOKENS=tokens, C0=channels[0], C1=channels[1],
-        C2=channels[2], KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c)
+    if tokens == 1:  # a one-token step holds no prefill: its token (if any) is the request launch's
+        outs = tuple(jnp.zeros(x.shape, x.dtype) for x in flat_x) + (jnp.zeros((1, 1), xs[0].dtype),) * missing
+    else:
+        outs = _token_launch(triton_call, x3, flat_cache, missing, w3, meta, flat_x, xs, tokens, block_t, block_c,
+                             channels, kernel, num_warps)
     # outs and caches aliased in place; a missing input's cache is a scratch row of its own
     caches_in = flat_cache + [jnp.zeros((1, kernel - 1, 1), xs[0].dtype) for _ in range(missing)]
     results = _launcher(triton_call)(

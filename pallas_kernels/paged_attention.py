@@ -238,14 +238,17 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch,
     # Prefill first: its tiles and its zero fill of the padding tokens write every row but the one-token requests'
     # (no zeros pass over the output); the decode launch then writes those rows in place (aliased), or its merged
     # key splits are scattered in. No select over all T rows.
-    out = pl.pallas_call(
-        functools.partial(_prefill_kernel, block_q=block_q, heads_p=heads_p, split_keys=table_keys, **tile),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(slots, kv_heads),
-        interpret=interpret,
-        compiler_params=params(8, 2 if wide else 3),
-        name="paged_attention_prefill",
-    )(prefill_work(query_len, tokens, block_q), index(batch.token_valid), *refs)
+    if tokens == 1:  # a one-token step holds no prefill: no launch for it
+        out = jnp.zeros(q.shape, q.dtype)
+    else:
+        out = pl.pallas_call(
+            functools.partial(_prefill_kernel, block_q=block_q, heads_p=heads_p, split_keys=table_keys, **tile),
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            grid=(slots, kv_heads),
+            interpret=interpret,
+            compiler_params=params(8, 2 if wide else 3),
+            name="paged_attention_prefill",
+        )(prefill_work(query_len, tokens, block_q), index(batch.token_valid), *refs)
 
     if num_splits is None:
         num_splits = auto_splits(kv_heads * requests, table_keys)
