@@ -9,6 +9,7 @@ argument the forward takes (params and cache), so the cost of passing them shows
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -111,42 +112,54 @@ def main(argv: list[str] | None = None) -> None:
                                          num_penalty_rows=runner.num_slots)
     sampling, sampling_layout = step.pack(tensors._asdict())
     sample = runner._sampler(sampling_layout, 0, 0, False)
-    put, call_f, call_s, whole = [], [], [], []
-    previous = None
-    for i in range(args.steps + 5):
-        t0 = time.perf_counter()
-        device_in = runner._put((host, sampling))
-        t1 = time.perf_counter()
-        forward = runner._forward(layout)  # alternates between its twins on a GPU, as the runner does
-        runner._steps_issued += 1
-        logits, runner.cache = forward(params, runner.cache, runner.last_tokens, device_in[0])
-        t2 = time.perf_counter()
-        result, runner.last_tokens, _ = sample(logits, device_in[1], None)
-        t3 = time.perf_counter()
-        if previous is not None:
-            jax.device_get(previous.tokens)
-        previous = result
-        if i >= 5:
-            put.append(t1 - t0)
-            call_f.append(t2 - t1)
-            call_s.append(t3 - t2)
-            whole.append(time.perf_counter() - t0)
-    rows += [("transfer of the step's inputs", median_us(put)), ("forward call (1 token)", median_us(call_f)),
-             ("sampler call", median_us(call_s)), ("whole step, issued one ahead", median_us(whole))]
+
+    def issue_ahead(label: str, forward_for) -> None:
+        """Steps issued one ahead with forward_for(i) as step i's forward program."""
+        put, call_f, call_s, whole = [], [], [], []
+        previous = None
+        for i in range(args.steps + 5):
+            t0 = time.perf_counter()
+            device_in = runner._put((host, sampling))
+            inputs = runner._inputs[layout.size] = step.stage_inputs(runner._input_buffer(layout.size),
+                                                                     device_in[0])
+            t1 = time.perf_counter()
+            logits, runner.cache = forward_for(i)(params, runner.cache, runner.last_tokens, inputs)
+            t2 = time.perf_counter()
+            result, runner.last_tokens, _ = sample(logits, device_in[1], runner.last_tokens, None)
+            t3 = time.perf_counter()
+            if previous is not None:
+                jax.device_get(previous.tokens)
+            previous = result
+            if i >= 5:
+                put.append(t1 - t0)
+                call_f.append(t2 - t1)
+                call_s.append(t3 - t2)
+                whole.append(time.perf_counter() - t0)
+        rows.extend([(f"{label}: transfer of the step's inputs", median_us(put)),
+                     (f"{label}: forward call (1 token)", median_us(call_f)),
+                     (f"{label}: sampler call", median_us(call_s)),
+                     (f"{label}: whole step, issued one ahead", median_us(whole))])
+
+    issue_ahead("compiled", lambda i: runner._forwards[1])
+    jitted = functools.partial(step.forward, layout=layout, cfg=cfg, mesh=mesh)
+    t0 = time.perf_counter()
+    _, runner.cache = jitted(params, runner.cache, runner.last_tokens, runner._inputs[layout.size])  # compiles, or hits
+    rows.append(("jit: first call (compile or cache hit)", median_us([time.perf_counter() - t0])))
+    issue_ahead("jit", lambda i: jitted)
     blocked = []
     for _ in range(20):
         t0 = time.perf_counter()
-        logits, runner.cache = runner._forward(layout)(params, runner.cache, runner.last_tokens, device_in[0])
+        logits, runner.cache = runner._forward(layout)(params, runner.cache, runner.last_tokens,
+                                                       runner._inputs[layout.size])
         jax.block_until_ready(logits)
         blocked.append(time.perf_counter() - t0)
     rows.append(("forward call and wait (1 token)", median_us(blocked)))
     if args.profile:
         def one_step():
             device_in = runner._put((host, sampling))
-            forward = runner._forward(layout)
-            runner._steps_issued += 1
-            logits, runner.cache = forward(params, runner.cache, runner.last_tokens, device_in[0])
-            result, runner.last_tokens, _ = sample(logits, device_in[1], None)
+            inputs = runner._inputs[layout.size] = step.stage_inputs(runner._input_buffer(layout.size), device_in[0])
+            logits, runner.cache = runner._forward(layout)(params, runner.cache, runner.last_tokens, inputs)
+            result, runner.last_tokens, _ = sample(logits, device_in[1], runner.last_tokens, None)
             return result
 
         host_table(one_step, steps=20)

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
-from jax.experimental.serialize_executable import deserialize_and_load, serialize
 from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
@@ -75,8 +74,8 @@ class ModelRunner:
         # The compiled forward of each token bucket and the samplers beside them, compiled ahead (several at once:
         # XLA's compiler releases the GIL) or when a step first needs them. While buckets still compile in the
         # background a step takes the smallest compiled bucket that holds it (`ready`), never waiting for one.
-        self._forwards: dict[int, list] = {}  # token bucket -> the forward and, on a GPU, its twin (see _forward)
-        self._steps_issued = 0
+        self._forwards: dict[int, jax.stages.Compiled] = {}
+        self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
         self._ready: list[int] | None = None  # None: every bucket, compiled when first needed
         self._compiling: threading.Thread | None = None
@@ -191,11 +190,12 @@ class ModelRunner:
                 buffer, layout, sampling, sampling_layout, path, top, penalties = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 forward = self._forward(layout)
-                self._steps_issued += 1
                 sample = self._sampler(sampling_layout, path, top, penalties)
                 buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
-                logits, self.cache = forward(self.params, self.cache, self.last_tokens, buffer)
-                out, self.last_tokens, counts = sample(logits, sampling, self.penalty_counts if penalties else None)
+                inputs = self._inputs[layout.size] = step.stage_inputs(self._input_buffer(layout.size), buffer)
+                logits, self.cache = forward(self.params, self.cache, self.last_tokens, inputs)
+                out, self.last_tokens, counts = sample(logits, sampling, self.last_tokens,
+                                                       self.penalty_counts if penalties else None)
                 if penalties:
                     self.penalty_counts = counts
                 for array in out:
@@ -218,25 +218,23 @@ class ModelRunner:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
     def _forward(self, layout: step.Layout) -> jax.stages.Compiled:
-        """The forward of this bucket for the next step. On a GPU, steps alternate between two loaded copies of
-        it: XLA runs a program's kernels as CUDA graphs and re-records a graph whenever a buffer it uses moved, and
-        two steps in flight get their scratch memory at two addresses in turn. Each copy sees the same addresses
-        every time it runs, so neither re-records (H200, one-token step of 35B-A3B: the re-recording took about
-        5 ms of host time a step, twice the step's GPU time)."""
         size = step.layout_shape(layout, "tokens")[0]
-        programs = self._forwards.get(size)
-        if programs is None:
-            programs = self._forwards[size] = self._compile_forward(layout)
-        return programs[self._steps_issued % len(programs)]
+        program = self._forwards.get(size)
+        if program is None:
+            program = self._forwards[size] = self._compile_forward(layout)
+        return program
 
-    def _compile_forward(self, layout: step.Layout) -> list:
+    def _compile_forward(self, layout: step.Layout) -> jax.stages.Compiled:
         buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
-        compiled = step.forward.lower(self._abstract(self.params), self._abstract(self.cache),
-                                      self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
-                                      mesh=self.mesh).compile()
-        if self.mesh.devices.flat[0].platform != "gpu":
-            return [compiled]
-        return [compiled, deserialize_and_load(*serialize(compiled))]
+        return step.forward.lower(self._abstract(self.params), self._abstract(self.cache),
+                                  self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
+                                  mesh=self.mesh).compile()
+
+    def _input_buffer(self, size: int) -> jax.Array:
+        buffer = self._inputs.get(size)
+        if buffer is None:
+            buffer = self._inputs[size] = self._put(np.zeros(size, np.int32))
+        return buffer
 
     def _sampler(self, layout: step.Layout, path: int, top: int, penalties: bool):
         """The sampler program of a batch: compiled ahead for the common variants (no penalties, bans or logprobs),
@@ -244,16 +242,16 @@ class ModelRunner:
         program = self._samplers.get((layout, path, top, penalties))
         if program is not None:
             return program
-        return lambda logits, sampling, counts: step.sample_step(
-            logits, sampling, counts, layout=layout, num_top_logprobs=top, path=path, num_rows=self.max_num_seqs)
+        return lambda logits, sampling, last_tokens, counts: step.sample_step(
+            logits, sampling, last_tokens, counts, layout=layout, num_top_logprobs=top, path=path)
 
     def _compile_sampler(self, layout: step.Layout, path: int) -> None:
         requests = step.layout_shape(layout, "temperature")[0]
         logits = jax.ShapeDtypeStruct((requests, self.vocab_size), np.float32, sharding=step.replicated(self.mesh))
         sampling = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
         self._samplers[layout, path, 0, False] = step.sample_step.lower(
-            logits, sampling, None, layout=layout, num_top_logprobs=0, path=path,
-            num_rows=self.max_num_seqs).compile()
+            logits, sampling, self._abstract(self.last_tokens), None, layout=layout, num_top_logprobs=0,
+            path=path).compile()
 
     def _sampling_layout(self, size: int) -> step.Layout:
         requests = step.request_bucket(size, self.max_num_seqs)
