@@ -345,6 +345,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
             if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
                 return _json(error_body("invalid or missing API key", "authentication_error", None,
                                         "invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"})
+        if engine.error is not None:  # the core died: refused as the requests it was running were, not "loading"
+            raise EngineDead(f"the engine core died: {engine.error}")
         if not state.ready():
             return _json(error_body("the model is still loading" if state.start_error is None else
                                     f"the model failed to load: {state.start_error}", "service_unavailable"),

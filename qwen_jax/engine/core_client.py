@@ -111,8 +111,9 @@ class CoreProcess:
         inputs, outputs = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._context = zmq.Context()
         self._push = self._context.socket(zmq.PUSH)
-        self._push.bind(inputs)
         self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # no queue limit: a send fails only when no core is on the pipe
+        self._push.bind(inputs)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.bind(outputs)
         self._on_message = on_message
@@ -130,8 +131,14 @@ class CoreProcess:
         self._reader.start()
 
     def send(self, message: tuple) -> None:
+        """Queue a message for the core without waiting. A core that is gone has left no reader on the pipe: the
+        message is dropped (a blocking send would wait forever, holding up the event loop before the reader thread
+        reports the death)."""
         with self._lock:
-            self._push.send(pickle.dumps(message, protocol=5))
+            try:
+                self._push.send(pickle.dumps(message, protocol=5), zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("the engine core is gone: %r not sent", message[0])
 
     def _read(self) -> None:
         while True:

@@ -1,0 +1,182 @@
+"""A dead engine core turns into errors and an unhealthy server, never a hang: the requests in flight fail (HTTP 500
+with an OpenAI error body, or an SSE error event then [DONE]), /health answers 500 with the cause, new requests are
+refused at once, and `python -m server` exits non-zero so that a supervisor restarts it.
+
+Each test starts a server of its own on the default model (the session's server must outlive them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from server_harness import MAX_MODEL_LEN, MAX_NUM_SEQS, START_TIMEOUT_S, ServerThread, free_port, http_json, make_engine
+
+REPO = Path(__file__).resolve().parents[2]
+DEATH_TIMEOUT_S = 30  # from the kill to every request answered and the server process gone
+# Tens of seconds of decoding on the CPU: still running when the core is killed.
+LONG = dict(max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True, temperature=0)
+
+
+def stream_events(url: str, body: dict, events: list[str], first: threading.Event) -> None:
+    """POST a streaming request and collect its SSE events as they come (`first` is set at the first text)."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for event in _events(resp):
+            events.append(event)
+            if event.startswith("data: {") and json.loads(event[6:]).get("choices", [{}])[0].get("text"):
+                first.set()
+
+
+def _events(resp):
+    """The SSE events of a response, each as soon as it has arrived whole."""
+    buffer = b""
+    while chunk := resp.read1(65536):
+        *done, buffer = (buffer + chunk).split(b"\n\n")
+        yield from (e.decode() for e in done if e)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def doomed(default_model_dir, compilation_cache_dir):
+    """A server whose engine core the test kills."""
+    from server.app import ServerConfig, create_app
+
+    engine = make_engine(default_model_dir)
+    app = create_app(engine, ServerConfig(served_model_name="doomed", max_num_seqs=MAX_NUM_SEQS))
+    srv = ServerThread(app, "127.0.0.1", free_port())
+    srv.engine = engine
+    srv.start(START_TIMEOUT_S)
+    yield srv
+    srv.stop()
+
+
+def test_killed_core_fails_requests_in_flight_and_new_ones_and_health_turns_500(doomed):
+    url = doomed.url + "/v1/completions"
+    events: list[str] = []
+    first = threading.Event()
+    replies: list[tuple] = []
+    streamer = threading.Thread(target=stream_events, args=(url, {"prompt": "a", **LONG}, events, first))
+    waiter = threading.Thread(target=lambda: replies.append(http_json("POST", url, {"prompt": "b", **LONG},
+                                                                      timeout=120)))
+    streamer.start()
+    wait_for(first.is_set, 120, "the stream's first token")
+    waiter.start()
+    wait_for(lambda: doomed.call(doomed.engine.stats)["num_running"] == 2, 120, "both requests running")
+
+    killed = time.monotonic()
+    doomed.engine._core.process.kill()
+    # At once, before the front has noticed: refused or failed, never left waiting on the dead core.
+    cause = "the engine core process exited with code -9"
+    dead = {"message": f"the engine core died: {cause}", "type": "server_error", "param": None, "code": None}
+    status, _, body = http_json("POST", url, {"prompt": "c", **LONG}, timeout=DEATH_TIMEOUT_S)
+    assert (status, body) == (500, {"error": dead})
+    streamer.join(DEATH_TIMEOUT_S)
+    waiter.join(DEATH_TIMEOUT_S)
+    assert not streamer.is_alive() and not waiter.is_alive()
+    assert time.monotonic() - killed < DEATH_TIMEOUT_S
+
+    status, _, body = replies[0]
+    assert (status, body) == (500, {"error": dead})
+    # The stream had tokens, then one error event, then [DONE].
+    assert first.is_set() and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):]) == {"error": dead}
+    assert all("error" not in json.loads(e[6:]) for e in events[:-2])
+
+    status, _, body = http_json("GET", doomed.url + "/health")
+    assert (status, body) == (500, {"status": f"engine failed: {cause}"})
+    status, _, body = http_json("POST", url, {"prompt": "d", "max_tokens": 4}, timeout=DEATH_TIMEOUT_S)
+    assert (status, body) == (500, {"error": dead})
+
+
+def test_message_to_a_dead_core_returns_at_once(tmp_path):
+    """The front's pipe to a core that is gone has no reader: a send must not wait for one (it would block the event
+    loop before the front has noticed the death, and with it the failure of every request)."""
+    from qwen_jax.engine.core_client import CoreProcess
+
+    messages: list[tuple] = []
+    core = CoreProcess(str(tmp_path / "no-such-model"), {}, "minimal", messages.append)
+    core.process.join(120)
+    wait_for(lambda: messages, 10, "the core's last message")
+    assert messages[0][0] == "failed" and "no-such-model" in messages[0][1]
+    time.sleep(0.5)  # the pipe's I/O thread drops the dead peer
+    sender = threading.Thread(target=core.send, args=(("abort", ["r"]),), daemon=True)
+    sender.start()
+    sender.join(5)
+    assert not sender.is_alive()
+    core.close()
+
+
+def core_children(pid: int) -> list[int]:
+    """The multiprocessing spawn children of process `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().decode()
+        except (OSError, ValueError):
+            continue
+        if ppid == pid and "spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_server_process_exits_non_zero_when_its_engine_core_is_killed(tmp_path, default_model_dir,
+                                                                       compilation_cache_dir):
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--model", default_model_dir,
+             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+             "--max-num-batched-tokens", "512", "--dtype", "float32", "--seed", "0",
+             # A request left hanging would hold the exit past DEATH_TIMEOUT_S.
+             "--graceful-timeout", str(2 * DEATH_TIMEOUT_S),
+             "--compilation-cache-dir", compilation_cache_dir], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def healthy() -> bool:
+            assert server.poll() is None, log_path.read_text()
+            try:
+                return http_json("GET", f"http://127.0.0.1:{port}/health", timeout=5)[0] == 200
+            except OSError:
+                return False
+
+        wait_for(healthy, START_TIMEOUT_S, "the server to start")
+        events: list[str] = []
+        first = threading.Event()
+        streamer = threading.Thread(target=stream_events, args=(
+            f"http://127.0.0.1:{port}/v1/completions", {"prompt": "a", **LONG}, events, first))
+        streamer.start()
+        wait_for(first.is_set, 120, "the stream's first token")
+        cores = core_children(server.pid)
+        assert len(cores) == 1, cores
+        os.kill(cores[0], signal.SIGKILL)
+        assert server.wait(DEATH_TIMEOUT_S) == 1
+        streamer.join(DEATH_TIMEOUT_S)
+        assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
+        assert events[-1] == "data: [DONE]"
+        text = log_path.read_text()
+        assert "shutting down: the engine core died (the engine core process exited with code -9)" in text, text
+        assert "server stopped" in text
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
