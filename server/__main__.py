@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", choices=("auto", "minimal", "full"), default="auto",
                    help="step programs compiled before /health turns 200: 'full' compiles every token bucket up to "
                         "--max-num-batched-tokens (auto: full on a GPU, minimal on the CPU)")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode steps run in one program for batches of a few requests (default: 4 on a GPU, 1 "
+                        "elsewhere)")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
@@ -62,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
-                "load_format", "dtype", "seed", "kernels", "num_hosts", "host_index", "coordinator_address")
+                "load_format", "dtype", "seed", "kernels", "num_scheduler_steps", "num_hosts", "host_index",
+                "coordinator_address")
 
 
 def engine_args(args: argparse.Namespace) -> dict:

@@ -44,6 +44,9 @@ ENGINE_ARGS = dict(
     dtype="auto",
     kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one
     seed=0,
+    # Decode steps per program for batches of a few requests (vLLM's multi-step scheduling); None: 4 on a GPU, 1
+    # elsewhere (engine/replica.py says why).
+    num_scheduler_steps=None,
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
     cpu_cache_budget_gib=2.0,  # cache memory on a CPU backend (no device memory statistics there)
@@ -220,7 +223,7 @@ class EngineCore:
         start = time.perf_counter()
         issued = []
         for replica in self.replicas:
-            plan = replica.scheduler.schedule()
+            plan = replica.scheduler.schedule(replica.runner.max_decode_steps(len(replica.scheduler.running)))
             if not plan.empty:
                 ops = replica.runner.prepare(plan.rows)
                 dispatch = time.perf_counter()
@@ -239,32 +242,41 @@ class EngineCore:
 
     def _apply(self, step: _InFlight) -> list[CoreOutput]:
         host = step.replica.runner.fetch(step.out)
+        if host.tokens.ndim == 1:  # one step; several in one program give [steps, requests]
+            host = SampleOutput(*(a[None] for a in host))
         outputs = []
         for i, row in enumerate(step.rows):
             if not row.samples:
                 continue
             seq = row.seq
-            seq.num_pending -= 1
-            if seq.is_finished:  # finished or aborted since this step was issued: the token is dropped
-                continue
-            token = int(host.tokens[i])
-            seq.output_token_ids.append(token)
-            self.generation_tokens_total += 1
-            logprobs = None
-            if seq.params.logprobs is not None:
-                n = seq.params.logprobs
-                top = [(int(a), float(b)) for a, b in zip(host.top_ids[i][:n], host.top_logprobs[i][:n], strict=True)]
-                logprobs = [TokenLogprob(token, float(host.logprobs[i]), top)]
-            outputs.append(self._check_stop(step.replica, seq, token, logprobs))
+            seq.num_pending -= row.steps
+            tokens, logprobs = [], [] if seq.params.logprobs is not None else None
+            out = None
+            for j in range(row.steps):
+                if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
+                    break
+                token = int(host.tokens[j, i])
+                seq.output_token_ids.append(token)
+                self.generation_tokens_total += 1
+                tokens.append(token)
+                if logprobs is not None:
+                    n = seq.params.logprobs
+                    top = [(int(a), float(b)) for a, b in zip(host.top_ids[j, i][:n], host.top_logprobs[j, i][:n],
+                                                              strict=True)]
+                    logprobs.append(TokenLogprob(token, float(host.logprobs[j, i]), top))
+                out = self._check_stop(step.replica, seq)
+            if out is not None:
+                out.new_token_ids, out.new_logprobs = tokens, logprobs
+                outputs.append(out)
         return outputs
 
-    def _check_stop(self, replica: Replica, seq: Sequence, token: int, logprobs) -> CoreOutput:
-        """The token-level stop rules (stop strings are the front's): EOS and stop token ids once min_tokens are
-        out, max_tokens, max_model_len."""
-        params = seq.params
+    def _check_stop(self, replica: Replica, seq: Sequence) -> CoreOutput:
+        """The token-level stop rules for the sequence's last token (stop strings are the front's): EOS and stop
+        token ids once min_tokens are out, max_tokens, max_model_len. The output's tokens are the caller's."""
+        params, token = seq.params, seq.output_token_ids[-1]
         enough = len(seq.output_token_ids) >= params.min_tokens
         eos = token in self.eos_token_ids and not params.ignore_eos and enough
-        out = CoreOutput(seq.request_id, [token], logprobs, num_cached_tokens=seq.num_cached_tokens)
+        out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens)
         if eos or (token in params.stop_token_ids and enough):
             out.finish_reason, out.stop_reason, out.eos = "stop", token, eos
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:

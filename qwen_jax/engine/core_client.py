@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import shutil
 import tempfile
 import threading
 import time
@@ -168,3 +169,4 @@ class CoreProcess:
         self._push.close(0)
         self._pull.close(0)
         self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -7,6 +7,7 @@ It never decides who runs (the scheduler does) and never blocks on the device ex
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -46,7 +47,8 @@ def bucket(n: int, minimum: int = 1) -> int:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict | None, num_blocks: int, block_size: int, num_slots: int,
                  num_snapshots: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None):
+                 eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, decode_steps: int = 1,
+                 decode_steps_max_rows: int = 0):
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules. None: the
         mesh is on other hosts (a data-parallel replica there); this runner only writes its steps down, and its
         executor sends them where they run (engine/multihost.py)."""
@@ -57,6 +59,11 @@ class ModelRunner:
         self.table_width = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.num_slots = num_slots
+        # Decode steps of up to decode_steps_max_rows requests run decode_steps at a time in one program.
+        self.decode_steps = decode_steps
+        self.decode_steps_max_rows = decode_steps_max_rows if decode_steps > 1 else 0
+        self.decode_buckets = [size for size in step.token_buckets(max_num_batched_tokens, max_num_seqs)
+                               if size <= self.decode_steps_max_rows]
         self.token_buckets = step.token_buckets(max_num_batched_tokens, max_num_seqs)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -75,6 +82,7 @@ class ModelRunner:
         # XLA's compiler releases the GIL) or when a step first needs them. While buckets still compile in the
         # background a step takes the smallest compiled bucket that holds it (`ready`), never waiting for one.
         self._forwards: dict[int, jax.stages.Compiled] = {}
+        self._decoders: dict[int, jax.stages.Compiled] = {}  # several decode steps a program (decode_steps)
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
         self._ready: list[int] | None = None  # None: every bucket, compiled when first needed
@@ -128,11 +136,13 @@ class ModelRunner:
         buffer, layout = self.step_inputs(rows)
         num_requests = step.layout_shape(layout, "query_len")[0]
         sampling = [r.seq.params if r.samples else _GREEDY for r in rows]
-        self.step_seed += 1
+        steps = rows[0].steps if rows else 1
+        # the tokens a row had before this step's first: its planned samples are already counted as pending
         tensors = SamplingTensors.build_host(
-            sampling, [r.seq.num_requested - 1 if r.samples else 0 for r in rows], [r.seq.slot for r in rows],
+            sampling, [r.seq.num_requested - r.steps if r.samples else 0 for r in rows], [r.seq.slot for r in rows],
             vocab_size=self.vocab_size, batch_size=num_requests, eos_token_ids=self.eos_token_ids,
-            step_seed=self.step_seed, num_penalty_rows=self.num_slots)
+            step_seed=self.step_seed + 1, num_penalty_rows=self.num_slots)
+        self.step_seed += steps
         sampling_buffer, sampling_layout = step.pack(tensors._asdict())
         penalties = any(p.has_penalties for p in sampling)
         top = TOP_LOGPROBS_WIDTH if any(p.logprobs is not None for p in sampling) else 0
@@ -143,6 +153,10 @@ class ModelRunner:
         entering = [r.seq for r in rows if r.admitted and r.seq.params.has_penalties]
         if entering:
             ops.append(("penalties", *self._penalty_rows(entering)))
+        if steps > 1:  # decoding rows only (Scheduler._multi_step): no penalties, admissions or snapshots
+            ops.append(("decode_steps", buffer, layout, sampling_buffer, sampling_layout,
+                        cut_path(sampling, self.vocab_size), top, steps))
+            return ops
         ops.append(("step", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size), top,
                     penalties))
         save = [(r.seq.slot, r.save_snapshot) for r in rows if r.save_snapshot is not None]
@@ -200,6 +214,15 @@ class ModelRunner:
                     self.penalty_counts = counts
                 for array in out:
                     array.copy_to_host_async()
+            elif kind == "decode_steps":
+                buffer, layout, sampling, sampling_layout, path, top, steps = args
+                layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
+                program = self._decode_program(layout, sampling_layout, path, top, steps)
+                buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
+                inputs = self._inputs[layout.size] = step.stage_inputs(self._input_buffer(layout.size), buffer)
+                out, self.cache, self.last_tokens = program(self.params, self.cache, self.last_tokens, inputs, sampling)
+                for array in out:
+                    array.copy_to_host_async()
             elif kind == "compile":
                 self.compile(args[0])
             else:
@@ -229,6 +252,33 @@ class ModelRunner:
         return step.forward.lower(self._abstract(self.params), self._abstract(self.cache),
                                   self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
                                   mesh=self.mesh).compile()
+
+    def max_decode_steps(self, num_requests: int) -> int:
+        """Decode steps a step of this many decoding requests may run in one program: decode_steps when they are few
+        enough and that program is compiled (the program compiles beside its bucket's forward; a step never waits
+        for it), else 1."""
+        if not 0 < num_requests <= self.decode_steps_max_rows:
+            return 1
+        size = step.bucket_for(num_requests, self._ready or self.token_buckets)
+        return self.decode_steps if size in self._decoders or self._ready is None else 1
+
+    def _decode_program(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int, steps: int):
+        size = step.layout_shape(layout, "tokens")[0]
+        program = self._decoders.get(size) if (path, top, steps) == (0, 0, self.decode_steps) else None
+        if program is not None:
+            return program
+        return functools.partial(step.decode_steps, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
+                                 mesh=self.mesh, steps=steps, num_top_logprobs=top, path=path)
+
+    def _compile_decoder(self, size: int) -> None:
+        layout = self.step_inputs_for(size)[1]
+        sampling_layout = self._sampling_layout(size)
+        buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
+        sampling = jax.ShapeDtypeStruct((sampling_layout.size,), np.int32, sharding=step.replicated(self.mesh))
+        self._decoders[size] = step.decode_steps.lower(
+            self._abstract(self.params), self._abstract(self.cache), self._abstract(self.last_tokens), buffer,
+            sampling, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh,
+            steps=self.decode_steps, num_top_logprobs=0, path=0).compile()
 
     def _input_buffer(self, size: int) -> jax.Array:
         buffer = self._inputs.get(size)
@@ -273,6 +323,8 @@ class ModelRunner:
             for path in (0, 1):
                 if (layout, path, 0, False) not in self._samplers:
                     self._compile_sampler(layout, path)
+            if size in self.decode_buckets and size not in self._decoders:
+                self._compile_decoder(size)
             if self._ready is not None:
                 self._ready = sorted({*self._ready, size})
             log.info("compiled the step of %d tokens in %.1fs (%d of %d, %.1fs in all)", size,

@@ -41,6 +41,8 @@ class SamplingTensors(NamedTuple):
     presence_penalty: jax.Array  # [B] f32
     frequency_penalty: jax.Array  # [B] f32
     rng: jax.Array  # [B, 3] u32: (seed low word, seed high word, counter); key = fold_in(key(seed), counter)
+    rng_step: jax.Array  # [B, 3] u32 what one more decode step adds to rng: the counter of a seeded row, the seed of
+    # an unseeded one (so a row draws the same numbers whether its steps run one program each or several in one)
     penalty_rows: jax.Array  # [B] i32 the row's row of the penalty counts; the counts' size (dropped) without penalties
     banned_ids: jax.Array  # [B, NB] i32 ids forced to -inf this step, padded with V; NB = 0: none in the batch
 
@@ -67,7 +69,8 @@ class SamplingTensors(NamedTuple):
         num_generated[i]: output tokens row i already has (its seed counter and its min_tokens clock), in-flight ones
         included. penalty_rows[i]: the row of the device's penalty counts (`init_penalty_rows`) that holds request
         i's token counts; used only by rows with a penalty. num_penalty_rows: the counts' rows (the drop index).
-        step_seed: an engine counter that changes every step; unseeded row r draws with key (step_seed, r).
+        step_seed: an engine counter that advances by one every decode step; unseeded row r draws with key
+        (step_seed, r).
         A seeded row draws with key (seed, num_generated), so its tokens do not depend on the rest of the batch.
         """
         n = len(params_list)
@@ -86,6 +89,8 @@ class SamplingTensors(NamedTuple):
         rng = np.zeros((batch_size, 3), np.uint32)
         step_seed = int(step_seed)
         rng[:, 0], rng[:, 1], rng[:, 2] = step_seed & _U32, (step_seed >> 32) & _U32, np.arange(batch_size)
+        rng_step = np.zeros((batch_size, 3), np.uint32)
+        rng_step[:, 0] = 1
         rows = np.full(batch_size, num_penalty_rows, np.int32)
         banned: dict[int, list[int]] = {}
         for i, (p, done) in enumerate(zip(params_list, num_generated, strict=True)):
@@ -95,6 +100,7 @@ class SamplingTensors(NamedTuple):
             rep[i], presence[i], frequency[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
             if p.seed is not None:
                 rng[i] = (p.seed & _U32, (p.seed >> 32) & _U32, done & _U32)
+                rng_step[i] = (0, 0, 1)
             if p.has_penalties:
                 rows[i] = penalty_rows[i]
             if done < p.min_tokens:
@@ -105,7 +111,7 @@ class SamplingTensors(NamedTuple):
         banned_ids = np.full((batch_size, _bucket(max(map(len, banned.values()), default=0), 4)), vocab_size, np.int32)
         for i, ids in banned.items():
             banned_ids[i, : len(ids)] = ids
-        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, rows, banned_ids)
+        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, rng_step, rows, banned_ids)
 
 
 def cut_path(params_list: Sequence[SamplingParams], vocab_size: int) -> int:

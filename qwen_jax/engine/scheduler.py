@@ -24,6 +24,7 @@ class Row:
     start: int
     num_tokens: int
     samples: bool = False  # the row's last token produces the sequence's next token
+    steps: int = 1  # decode steps this row runs in the step's program (several: each feeds the next its token)
     admitted: bool = False  # the sequence (re)enters the running set in this step
     restore_snapshot: int | None = None  # copy this snapshot into the seq's slot before the step
     save_snapshot: int | None = None  # copy the seq's slot into this snapshot after the step
@@ -33,6 +34,7 @@ class Row:
 class StepPlan:
     rows: list[Row]
     preempted: list[Sequence]
+    steps: int = 1  # decode steps of every row (see Scheduler.schedule)
 
     @property
     def empty(self) -> bool:
@@ -41,13 +43,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: SlotPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, max_model_len: int | None = None):
         """`slots`: one per running sequence (its recurrent state, its row of penalty counts)."""
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_cache = prefix_cache
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -110,10 +113,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, max_steps: int = 1) -> StepPlan:
         """The next step: every running sequence's next tokens (oldest first; one for a decoding sequence, a chunk of
         its prompt for a prefilling one) under the token budget, preempting the newest when blocks run out, then
-        waiting sequences while the budget, a slot and blocks allow. The plan's progress is booked at once."""
+        waiting sequences while the budget, a slot and blocks allow. The plan's progress is booked at once.
+        max_steps > 1: when the step holds only decoding sequences, nothing waits and each has room for them, it runs
+        up to that many decode steps in one program (`multi_step`)."""
         budget = self.max_num_batched_tokens
         rows: list[Row] = []
         preempted: list[Sequence] = []
@@ -160,17 +165,36 @@ class Scheduler:
             row.admitted, row.restore_snapshot = True, restore
             rows.append(row)
             budget -= n
+        steps = self._multi_step(rows, max_steps) if max_steps > 1 and not preempted else 1
         for row in rows:
+            row.steps = steps
             self._book(row)
-        return StepPlan(rows, preempted)
+        return StepPlan(rows, preempted, steps)
+
+    def _multi_step(self, rows: list[Row], max_steps: int) -> int:
+        """How many decode steps `rows` run at once: max_steps when every row is a decoding row of a running
+        sequence with no penalties and no min_tokens left to wait for (their sampling would change from one step to
+        the next), no request waits, and every sequence has the blocks for them (allocated here); else 1. Tokens past
+        a request's end (EOS, a stop, max_tokens) are computed and dropped."""
+        if self.waiting or not rows or not all(r.samples and r.num_tokens == 1 and not r.admitted for r in rows):
+            return 1
+        for r in rows:
+            seq, params = r.seq, r.seq.params
+            if params.has_penalties or seq.num_requested < params.min_tokens:
+                return 1
+            if self.max_model_len is not None and seq.num_computed_tokens + max_steps > self.max_model_len:
+                return 1
+        if not all(self._grow(r.seq, max_steps) for r in rows):
+            return 1  # the blocks grown for some rows stay with them: they will fill them
+        return max_steps
 
     def _book(self, row: Row) -> None:
         """Count a planned row as computed: its tokens' KV and state are in the cache for every later step (the
         device runs steps in order), its sample is pending, its full prompt blocks are indexed for prefix hits."""
         seq = row.seq
-        seq.num_computed_tokens += row.num_tokens
+        seq.num_computed_tokens += row.num_tokens + row.steps - 1
         if row.samples:
-            seq.num_pending += 1
+            seq.num_pending += row.steps
         if self.prefix_cache is not None:
             self.prefix_cache.register_blocks(seq.block_hashes, seq.block_table, seq.num_computed_tokens)
 

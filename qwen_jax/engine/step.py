@@ -124,6 +124,48 @@ def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array
     return jax.lax.with_sharding_constraint(logits, replicated(mesh)), {"layers": layers}
 
 
+# ---- several decode steps in one program -----------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "steps", "num_top_logprobs",
+                                             "path"),
+                   donate_argnames=("cache", "last_tokens"), compiler_options=EXACT)
+def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array, sampling: jax.Array, *,
+                 layout: Layout, sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh, steps: int,
+                 num_top_logprobs: int, path: int) -> tuple[SampleOutput, dict, jax.Array]:
+    """`steps` decode steps of a batch of one-token requests, each step's sampled tokens the next one's inputs, in
+    one program: one call from the host for several tokens, where a small batch's step costs the host more to issue
+    than the GPU to run. The forward and the sampler of a step are those of `forward` and `sample_step`, and a row
+    draws the numbers it would draw over that many single steps (SamplingTensors.rng_step). Returns (SampleOutput
+    with a leading axis of steps, the cache, last_tokens holding the last step's tokens)."""
+    a = unpack(buffer, layout)
+    tensors = SamplingTensors(**{k: v for k, v in unpack(sampling, sampling_layout).items() if k in SAMPLING_KEYS})
+    source = a["token_source"]
+    tokens = jnp.where(source >= 0, last_tokens[jnp.maximum(source, 0)], a["tokens"])
+    batch = Ragged(**{k: a[k] for k in RAGGED_KEYS})
+    live = batch.query_len > 0
+    # each request's one token sits at its sample index; a padding request's sample goes nowhere
+    at = jnp.where(live, a["sample_index"], tokens.shape[0])
+    ops = ops_for_mesh(cfg, mesh)
+
+    def one(j, carry):
+        cache, tokens, outs = carry
+        moved = batch._replace(positions=batch.positions + j * batch.token_valid,
+                               context_len=batch.context_len + j * live)
+        logits, cache = decoder.forward(params, cache, tokens, moved, cfg, ops, a["sample_index"])
+        logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
+        rng = tensors.rng + jnp.uint32(j) * tensors.rng_step
+        out, _ = sample(logits, tensors._replace(rng=rng), None, num_top_logprobs=num_top_logprobs, path=path)
+        outs = jax.tree.map(lambda stacked, new: stacked.at[j].set(new), outs, out)
+        return cache, tokens.at[at].set(out.tokens, mode="drop"), outs
+
+    requests = batch.query_len.shape[0]
+    outs = SampleOutput(jnp.zeros((steps, requests), jnp.int32), jnp.zeros((steps, requests), jnp.float32),
+                        jnp.zeros((steps, requests, num_top_logprobs), jnp.int32),
+                        jnp.zeros((steps, requests, num_top_logprobs), jnp.float32))
+    cache, _, outs = jax.lax.fori_loop(0, steps, one, (cache, tokens, outs))
+    layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
+    return outs, {"layers": layers}, last_tokens.at[:requests].set(outs.tokens[steps - 1])
+
+
 # ---- the sampler ----------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("layout", "num_top_logprobs", "path"),
                    donate_argnames=("last_tokens", "counts"))
