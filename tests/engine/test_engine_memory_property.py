@@ -6,7 +6,6 @@ pool is tiny so that prefix sharing, snapshot eviction, chunked prefill and pree
 """
 
 import zlib
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qwen_jax.engine.core import EngineCore
+from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.sequence import Status
 from qwen_jax.sampling_params import SamplingParams
 
@@ -26,8 +26,8 @@ def stub_execute(rows):
     passes through (the step is never run: the books are the runner's caller's)."""
     tokens = np.array([EOS if zlib.crc32(f"{r.seq.request_id}:{r.seq.num_requested}".encode()) % 8 == 0
                        else 7 + r.seq.num_requested for r in rows], np.int32)
-    return SimpleNamespace(tokens=tokens, logprobs=np.zeros(len(rows), np.float32),
-                           top_ids=np.zeros((len(rows), 0), np.int32), top_logprobs=np.zeros((len(rows), 0)))
+    return SampleOutput(tokens, np.zeros(len(rows), np.float32), np.zeros((len(rows), 0), np.int32),
+                        np.zeros((len(rows), 0), np.float32))
 
 
 @pytest.fixture(scope="module")
