@@ -324,7 +324,12 @@ class ModelRunner:
                 if (layout, path, 0, False) not in self._samplers:
                     self._compile_sampler(layout, path)
             if size in self.decode_buckets and size not in self._decoders:
-                self._compile_decoder(size)
+                try:
+                    self._compile_decoder(size)
+                except Exception:  # serving goes on one decode step a program
+                    log.exception("the %d-step decode program of %d tokens failed to compile; decode steps run one "
+                                  "a program", self.decode_steps, size)
+                    self.decode_steps_max_rows = 0
             if self._ready is not None:
                 self._ready = sorted({*self._ready, size})
             log.info("compiled the step of %d tokens in %.1fs (%d of %d, %.1fs in all)", size,
