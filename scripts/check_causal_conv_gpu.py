@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import causal_conv
+from qwen_jax.engine.step import EXACT  # the engine's compile options: every bf16 rounding kept
 from qwen_jax.layers.batch import Ragged
 from qwen_jax.layers.gated_deltanet import causal_convs
 
-EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles: every bf16 rounding kept
 CASES = 30
 
 

@@ -11,6 +11,7 @@ process the JAX one cannot start again.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -77,6 +78,7 @@ def fla(rows: int, seq: int) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     mine = ours(CASES)
     rel = lambda x, y: float(np.max(np.abs(x - y)) / np.max(np.abs(y)))  # noqa: E731
     for rows, seq in CASES:

@@ -25,7 +25,7 @@ if part step_profile; then
   for k in ${STEP_KERNELS:-reference gpu}; do
     timeout "${T_STEP:-150}" python3 -m qwen_jax.bench.step_profile --config "$MODEL/config.json" --batches 1,16,64 \
       --context 1024 --kernels $k --prefill "${PREFILL:-1024,2048}" --no-layers > "$OUT/step_profile_$k.txt" 2>&1
-    grep '^{"layers\|^{"prefill' "$OUT/step_profile_$k.txt" || tail -5 "$OUT/step_profile_$k.txt"
+    grep '^{"decode\|^{"prefill' "$OUT/step_profile_$k.txt" || tail -5 "$OUT/step_profile_$k.txt"
   done
 fi
 
@@ -60,7 +60,7 @@ if part server; then
   chat
   grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
   curl -s "$URL/metrics" > "$OUT/metrics.txt"; grep "^qwen_jax_engine_step" "$OUT/metrics.txt"
-  grep -i "compiled the forward\|loaded" "$OUT/server.log" | cut -c1-160 | tail -16
+  grep -i "compiled the step\|every step bucket\|loaded" "$OUT/server.log" | cut -c1-160 | tail -16
   ./start.sh --stop
 fi
 
@@ -108,7 +108,7 @@ if part multi_gpu_steps; then
       CUDA_VISIBLE_DEVICES=$devices timeout "${T_STEP:-180}" python3 -m qwen_jax.bench.step_profile \
         --config "$MODEL/config.json" --batches 1,64 --context 1024 --kernels $k --prefill 2048 --no-layers --profile \
         $layout > "$OUT/step_profile_$name.txt" 2>&1
-      echo "$name"; grep '^{"mesh\|^{"layers\|^{"prefill' "$OUT/step_profile_$name.txt" | cut -c1-700
+      echo "$name"; grep '^{"mesh\|^{"decode\|^{"prefill' "$OUT/step_profile_$name.txt" | cut -c1-700
       [[ ${PIPESTATUS[0]} == 0 ]] || tail -5 "$OUT/step_profile_$name.txt"  # no result lines: show the error
     done
   done

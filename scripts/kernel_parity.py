@@ -1,5 +1,7 @@
 """Kernel parity on random weights: greedy decoding with kernels="gpu" against kernels="reference", both engines in
-one process over one set of random weights (`dummy_params`), free-running and teacher-forced, as JSON.
+one process over one set of random weights (`dummy_params`), free-running and teacher-forced, as JSON. The engines
+are create_engine's (engine/skeleton.py): the served forward program (engine/step.py) over the same flat ragged
+batches, with each step's full logits in hand, which the serving engine never hands out.
 
 Random weights give near-uniform logits, so free-running greedy tokens part at near-ties; the teacher-forced run
 (the gpu engine fed the reference's tokens) compares the logits of every step instead. With the dummy weights' std
@@ -9,9 +11,9 @@ that; docs/ARCHITECTURE.md has its numbers). Never keeps full-vocab logits rows 
 step's statistics are computed on the device.
 
 Phases (each prefills every prompt, then runs --steps decode steps; step 0 is the prefill's last-token logits):
-  1. reference, free-running greedy (timed: ms per decode step of the batch, host round trip for the next token
-     included; the skeleton compiles its whole forward as one program, so this is not the server's TPOT): its
-     tokens, top-1 ids and top-1/top-2 margins;
+  1. reference, free-running greedy (timed: ms per decode step of the batch; each step waits for its token on the
+     host before the next is issued, so this is not the server's TPOT): its tokens, top-1 ids and top-1/top-2
+     margins;
   2. gpu, free-running greedy (timed): its tokens; the first step where they part from the reference's;
   3. teacher-forced, both engines in lockstep fed phase 1's tokens: per step, top-1 agreement, max |logit diff|,
      relative error, max |log-softmax diff|; the reference's top-1 there is checked against phase 1 (determinism).

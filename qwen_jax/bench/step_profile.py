@@ -1,6 +1,7 @@
 """Step time of the served step (engine/step.py: the forward and the sampler, issued one step ahead as the engine
 core issues them) for decode batches and one-prompt prefills, next to the memory roofline (decode) and the FLOP rate
-(prefill), plus one layer of each kind timed alone: where a step's time goes.
+(prefill), plus one layer of each kind timed alone: where a step's time goes. A decode batch runs as many decode
+steps per program as the engine would run it (num_scheduler_steps).
 
 Random weights with the real shapes (`dummy`); reads nothing from disk but config.json. Fake sequences stand in for
 requests (no scheduler runs). Prints one JSON line per measurement, then the whole report as JSON.
@@ -22,7 +23,7 @@ from qwen_jax.bench.gpu_profile import profile_calls
 from qwen_jax.bench.roofline import H200_TBPS, decode_bytes, prefill_flops_per_token
 from qwen_jax.config import load_config
 from qwen_jax.engine.core import engine_args
-from qwen_jax.engine.replica import Replica
+from qwen_jax.engine.replica import DECODE_STEPS, Replica
 from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
@@ -40,16 +41,21 @@ BLOCK_SIZE = 16
 _GREEDY = SamplingParams(temperature=0.0)
 
 
-def fake_sequences(count: int, length: int, vocab_size: int, seed: int) -> list[Sequence]:
-    """`count` sequences of `length` distinct random tokens (identical rows would all route to the same experts), on
-    state slots 1..count and KV blocks 1, 2, ... (each its own, covering its tokens), as the scheduler would leave
-    them with one sample pending."""
-    width = -(-length // BLOCK_SIZE)
+def blocks_for(length: int, steps: int = 1) -> int:
+    """KV blocks of a sequence of `length` tokens that samples `steps` more."""
+    return -(-(length + steps - 1) // BLOCK_SIZE)
+
+
+def fake_sequences(count: int, length: int, vocab_size: int, seed: int, steps: int = 1) -> list[Sequence]:
+    """`count` sequences of `length` random tokens each (identical rows would all route to the same experts), on
+    state slots 1..count and KV blocks 1, 2, ... (each its own, covering its tokens and `steps` samples), as the
+    scheduler leaves a sequence with `steps` samples pending."""
+    width = blocks_for(length, steps)
     rng = np.random.default_rng([seed, count, length])
     seqs = []
     for i in range(count):
         seq = Sequence(f"fake-{i}", rng.integers(1, vocab_size, length).tolist(), _GREEDY)
-        seq.slot, seq.block_table, seq.num_pending = i + 1, list(range(1 + i * width, 1 + (i + 1) * width)), 1
+        seq.slot, seq.block_table, seq.num_pending = i + 1, list(range(1 + i * width, 1 + (i + 1) * width)), steps
         seqs.append(seq)
     return seqs
 
@@ -88,12 +94,17 @@ def time_steps(runner: ModelRunner, rows: list[Row], steps: int) -> dict:
 def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, bandwidth: float,
                profile: bool) -> dict:
     """Decode steps of `batch` rows, each one token at position `context` (its `context` earlier tokens' KV pages in
-    its block table)."""
-    rows = [Row(seq, context, 1, samples=True) for seq in fake_sequences(batch, context + 1, cfg.vocab_size, 0)]
+    its block table), as many a program as the engine runs for this batch (`decode_steps`; then `step_ms` is the
+    program's and `token_ms` each token's)."""
+    decode_steps = runner.max_decode_steps(batch)
+    seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 0, decode_steps)
+    rows = [Row(seq, context, 1, samples=True, steps=decode_steps) for seq in seqs]
     timed = time_steps(runner, rows, steps)
+    token_ms = timed["step_ms"] / decode_steps
     roofline_s = decode_bytes(cfg, batch, context).seconds(bandwidth)
-    row = {"decode_batch": batch, "context": context, **timed, "roofline_ms": round(roofline_s * 1e3, 3),
-           "fraction_of_roofline": round(roofline_s * 1e3 / timed["step_ms"], 3)}
+    row = {"decode_batch": batch, "context": context, "decode_steps": decode_steps, **timed,
+           "token_ms": round(token_ms, 3), "roofline_ms": round(roofline_s * 1e3, 3),
+           "fraction_of_roofline": round(roofline_s * 1e3 / token_ms, 3)}
     if profile:
         row["profile"] = profile_calls(lambda: runner.execute(runner.prepare(rows)).tokens)
     return row
@@ -126,7 +137,7 @@ def layer_row(runner: ModelRunner, cfg, batch: int, context: int) -> dict:
     """One layer of each kind (attention, Gated DeltaNet, MLP or MoE) and the LM head alone on a decode batch of
     `batch` tokens at position `context`, and their sum over the model's layers (milliseconds)."""
     params, cache = runner.params, runner.cache
-    width = -(-(context + 1) // BLOCK_SIZE)
+    width = blocks_for(context + 1)
     tables = [list(range(1 + i * width, 1 + (i + 1) * width)) for i in range(batch)]
     ragged_batch = jax.tree.map(jnp.asarray, ragged([context] * batch, [1] * batch, range(1, batch + 1), tables,
                                                     batch, batch, runner.table_width))
@@ -167,7 +178,9 @@ def main(argv: Seq[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=1024, help="tokens each decode row has cached")
     ap.add_argument("--kernels", default="reference", choices=("reference", "gpu"))
     ap.add_argument("--bandwidth", type=float, default=H200_TBPS, help="TB/s used for the roofline")
-    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch (prefill: a quarter)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per decode batch (prefill: a quarter)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=None,
+                    help="decode steps per program for small batches, as the engine argument (default: the engine's)")
     ap.add_argument("--profile", action="store_true",
                     help="also sum the GPU kernels of each step under the profiler (gpu_profile.py)")
     ap.add_argument("--prefill", default="",
@@ -180,11 +193,13 @@ def main(argv: Seq[str] | None = None) -> dict:
     batches, prefills = _ints(args.batches), _ints(args.prefill)
     mesh = make_mesh(args.tensor_parallel_size, 1, args.enable_expert_parallel)
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
-    longest = max([args.context + 1, *prefills])
+    ahead = args.num_scheduler_steps or DECODE_STEPS  # decode steps a program may run past the context
+    longest = max([args.context + ahead, *prefills])
     # KV blocks for every decode row's context; a prefill reuses the first rows' blocks.
-    blocks = max(max(batches, default=0) * -(-(args.context + 1) // BLOCK_SIZE), -(-longest // BLOCK_SIZE))
+    blocks = max(max(batches, default=0) * blocks_for(args.context + 1, ahead), blocks_for(longest))
     sizes = engine_args(dict(max_num_seqs=max(batches, default=1), max_num_batched_tokens=max([*batches, *prefills]),
-                             block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks))
+                             block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks,
+                             num_scheduler_steps=args.num_scheduler_steps))
     runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
               "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "prefill": [], "layers": [],

@@ -9,7 +9,7 @@ import pytest
 
 from qwen_jax.layers.gated_deltanet import causal_conv
 
-EXACT = {"xla_allow_excess_precision": False}  # the engine's programs keep every bf16 rounding (engine/runner.py)
+EXACT = {"xla_allow_excess_precision": False}  # the engine's programs keep every bf16 rounding (engine/step.py)
 
 
 def concatenated(x, state, weight, seq_lens):
