@@ -96,8 +96,10 @@ def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, b
     """Decode steps of `batch` rows, each one token at position `context` (its `context` earlier tokens' KV pages in
     its block table), as many a program as the engine runs for this batch (`decode_steps`; then `step_ms` is the
     program's and `token_ms` each token's)."""
-    decode_steps = runner.max_decode_steps(batch)
-    seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 0, decode_steps)
+    seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 0, 1)
+    decode_steps = runner.max_decode_steps(seqs)
+    if decode_steps > 1:  # room for the program's steps in the block tables
+        seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 0, decode_steps)
     rows = [Row(seq, context, 1, samples=True, steps=decode_steps) for seq in seqs]
     timed = time_steps(runner, rows, steps)
     token_ms = timed["step_ms"] / decode_steps

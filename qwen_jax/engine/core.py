@@ -223,7 +223,7 @@ class EngineCore:
         start = time.perf_counter()
         issued = []
         for replica in self.replicas:
-            plan = replica.scheduler.schedule(replica.runner.max_decode_steps(len(replica.scheduler.running)))
+            plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running))
             if not plan.empty:
                 ops = replica.runner.prepare(plan.rows)
                 dispatch = time.perf_counter()

@@ -253,13 +253,17 @@ class ModelRunner:
                                   self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
                                   mesh=self.mesh).compile()
 
-    def max_decode_steps(self, num_requests: int) -> int:
-        """Decode steps a step of this many decoding requests may run in one program: decode_steps when they are few
-        enough and that program is compiled (the program compiles beside its bucket's forward; a step never waits
-        for it), else 1."""
-        if not 0 < num_requests <= self.decode_steps_max_rows:
+    def max_decode_steps(self, seqs: list) -> int:
+        """Decode steps the running sequences `seqs` may run in one program: decode_steps when they are few enough
+        and that program is compiled (it compiles beside its bucket's forward; a step never waits for it), else 1.
+        On a GPU only the greedy / temperature-only sampler without logprobs is compiled into it ahead: other
+        samplers take single steps rather than compile a whole forward on a request's path."""
+        if not 0 < len(seqs) <= self.decode_steps_max_rows:
             return 1
-        size = step.bucket_for(num_requests, self._ready or self.token_buckets)
+        if self.mesh.devices.flat[0].platform != "cpu" and any(
+                s.params.logprobs is not None or cut_path([s.params], self.vocab_size) for s in seqs):
+            return 1
+        size = step.bucket_for(len(seqs), self._ready or self.token_buckets)
         return self.decode_steps if size in self._decoders or self._ready is None else 1
 
     def _decode_program(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int, steps: int):
