@@ -21,12 +21,6 @@ from sharding.mesh import MODEL_AXES
 from sharding.rules import MOE, entry_axes, logical_to_spec
 
 
-def context_mesh(mesh: Mesh):
-    """Inside a shard_map over the data axis the inner shard_map must be given the context (partly manual) mesh."""
-    current = jax.sharding.get_abstract_mesh()
-    return current if tuple(current.axis_names) == tuple(mesh.axis_names) else mesh
-
-
 def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
     """sparse_moe(x [T, H], p, top_k, renormalize, valid) with the experts split over the mesh as sharding/rules.py
     says."""
@@ -54,7 +48,7 @@ def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
 
     def moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, valid: jax.Array | None = None) -> jax.Array:
         fn = jax.shard_map(
-            lambda x, p, valid: body(x, p, valid, top_k, renormalize), mesh=context_mesh(mesh),
+            lambda x, p, valid: body(x, p, valid, top_k, renormalize), mesh=mesh,
             in_specs=(P(), {k: specs[k] for k in p}, P()), out_specs=P(), axis_names=set(MODEL_AXES),
             check_vma=False)
         return fn(x, p, valid)

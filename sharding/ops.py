@@ -22,7 +22,7 @@ from qwen_jax.layers.mlp import dense
 from qwen_jax.layers.norms import rms_norm
 from qwen_jax.layers.ops import Ops, ops_for
 from sharding.mesh import MODEL_AXES, model_parallel_size
-from sharding.moe import context_mesh, expert_parallel_moe
+from sharding.moe import expert_parallel_moe
 from sharding.rules import entry_axes, logical_to_spec
 
 
@@ -65,7 +65,7 @@ def head_parallel_attention(cfg: ModelConfig, mesh: Mesh, attend: Callable) -> C
             start = jax.lax.axis_index(q_axes) * local_q // group
             return attend(q, k_cache, v_cache, batch, scale, start, 1)
 
-        return jax.shard_map(local, mesh=context_mesh(mesh), in_specs=(heads, kv_heads, kv_heads, P()),
+        return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, P()),
                              out_specs=heads, axis_names=set(MODEL_AXES), check_vma=False)(q, k_cache, v_cache, batch)
 
     return attention
@@ -94,7 +94,7 @@ def head_parallel_delta_rule(cfg: ModelConfig, mesh: Mesh, delta_rule: Callable)
 
     def sharded(*args):
         return jax.shard_map(
-            local, mesh=context_mesh(mesh),
+            local, mesh=mesh,
             in_specs=(key_heads, key_heads, value_heads, gates, gates, per_head, per_head, state, P()),
             out_specs=(value_heads, state), axis_names=set(MODEL_AXES), check_vma=False)(*args)
 
