@@ -49,9 +49,6 @@ class OutputProcessor:
                                                  StopChecker(params.stop),
                                                  logprobs=[] if params.logprobs is not None else None)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.requests
-
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput | tuple[str, RequestFailed]],
                                                            list[str]]:
         """The RequestOutputs of a step's core outputs (a (request id, RequestFailed) pair for a request the core
@@ -119,8 +116,3 @@ class OutputProcessor:
         if finished:
             del self.requests[state.request_id]
         return out
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request here (an abort): its last output, finish_reason "abort"; None when it is not running."""
-        state = self.requests.get(request_id)
-        return None if state is None else self._output(state, "abort")
