@@ -186,7 +186,10 @@ def from_hf_dict(config: dict) -> ModelConfig:
             f"unsupported model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     text = dict(config.get("text_config") or config)
-    dtype = _normalize_dtype(text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16")
+    # Either spelling at either level: transformers 5 writes `dtype`, older versions `torch_dtype`, and a
+    # ForConditionalGeneration saved by transformers 5 has it at the top level only.
+    dtype = _normalize_dtype(text.get("dtype") or text.get("torch_dtype") or config.get("dtype")
+                             or config.get("torch_dtype") or "bfloat16")
     num_layers = int(text["num_hidden_layers"])
     num_heads = int(text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or text["hidden_size"] // num_heads)
