@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", choices=("auto", "dummy"), default=None)
     p.add_argument("--dtype", default=None, help="auto, bfloat16, float16 or float32")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--kernels", choices=("reference", "gpu"), default=None,
-                   help="hot ops as jnp references or as the Pallas GPU kernels of pallas_kernels/")
+    p.add_argument("--kernels", choices=("auto", "reference", "gpu"), default=None,
+                   help="hot ops as the GPU kernels of pallas_kernels/ (gpu), as jnp references (reference), or "
+                        "the kernels on a GPU and the references elsewhere (auto, the default)")
     p.add_argument("--warmup", choices=("auto", "minimal", "full"), default="auto",
                    help="step programs compiled before /health turns 200: 'full' compiles every token bucket up to "
                         "--max-num-batched-tokens (auto: full on a GPU, minimal on the CPU)")

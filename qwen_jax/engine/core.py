@@ -42,7 +42,8 @@ ENGINE_ARGS = dict(
     enable_expert_parallel=False,
     load_format="auto",  # "auto": read the checkpoint; "dummy": random weights with the real shapes
     dtype="auto",
-    kernels="reference",  # "gpu": the Pallas kernels of pallas_kernels/ for the ops that have one
+    kernels="auto",  # "gpu": the kernels of pallas_kernels/ for the ops that have one; "reference": the jnp ops;
+    # "auto": the kernels on a GPU, the references elsewhere
     seed=0,
     # Decode steps per program for batches of a few requests (vLLM's multi-step scheduling); None: 4 on a GPU, 1
     # elsewhere (engine/replica.py says why).
@@ -108,7 +109,10 @@ class EngineCore:
             raise ValueError(f"with {jax.process_count()} hosts the replicas must use all of them: "
                              f"data_parallel_size {dp} x tensor_parallel_size {args['tensor_parallel_size']} leaves "
                              f"host(s) {sorted(idle)} without devices (each host has {jax.local_device_count()})")
-        cfg = self.cfg = read_model_config(model_path, args["dtype"]).with_kernels(args["kernels"])
+        kernels = resolve_kernels(args["kernels"])
+        log.info("hot ops: %s (kernels=%s)", "the GPU kernels of pallas_kernels/" if kernels == "gpu" else
+                 "the jnp references", args["kernels"])
+        cfg = self.cfg = read_model_config(model_path, args["dtype"]).with_kernels(kernels)
         ops_for_mesh(cfg, replica_meshes[0])  # a head layout the partitioned ops cannot split fails here, not mid-step
         self.eos_token_ids = eos_ids(model_path, cfg, load_tokenizer(model_path))
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
@@ -338,6 +342,13 @@ class EngineCore:
 def _host_output(runner, out: SampleOutput | None) -> list | None:
     """A step's sampled outputs as host data for a reply to host 0 (None for ops without a step)."""
     return None if out is None else list(runner.fetch(out))
+
+
+def resolve_kernels(kernels: str) -> str:
+    """The `kernels` engine argument as a ModelConfig's: "auto" is "gpu" on a GPU backend, "reference" elsewhere."""
+    if kernels == "auto":
+        return "gpu" if jax.default_backend() == "gpu" else "reference"
+    return kernels
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
