@@ -18,7 +18,7 @@ import numpy as np
 
 from pallas_kernels import causal_conv
 from qwen_jax.engine.step import EXACT  # the engine's compile options: every bf16 rounding kept
-from qwen_jax.layers.batch import Ragged
+from qwen_jax.layers.batch import Ragged, ragged
 from qwen_jax.layers.gated_deltanet import causal_convs
 
 CASES = 30
@@ -31,20 +31,11 @@ def shuffled_batch(rng, requests, num_tokens, num_requests) -> Ragged:
     count, total = len(requests), sum(n for _, n, _ in requests)
     index = rng.permutation(num_requests)[:count]
     gaps = rng.multinomial(num_tokens - total, np.full(count + 1, 1 / (count + 1)))
-    query_start, query_len, context_len, state_slot = (np.zeros(num_requests, np.int32) for _ in range(4))
-    fresh = np.zeros(num_requests, bool)
-    positions, token_request = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
-    token_valid = np.zeros(num_tokens, bool)
-    at = 0
+    query_start, at = np.zeros(count, np.int32), 0
     for gap, i in zip(gaps, rng.permutation(count)):
-        start, n, slot = requests[i]
-        r, at = index[i], at + gap
-        query_start[r], query_len[r], context_len[r], state_slot[r], fresh[r] = at, n, start + n, slot, start == 0
-        token_request[at:at + n], positions[at:at + n], token_valid[at:at + n] = r, start + np.arange(n), True
-        at += n
-    return Ragged(positions=positions, token_request=token_request, token_valid=token_valid, query_start=query_start,
-                  query_len=query_len, context_len=context_len, state_slot=state_slot, fresh=fresh,
-                  block_table=np.zeros((num_requests, 1), np.int32))
+        query_start[i], at = at + gap, at + gap + requests[i][1]
+    starts, lens, slots = zip(*requests, strict=True)
+    return ragged(starts, lens, slots, [[]] * count, num_tokens, num_requests, 1, query_start, index)
 
 
 def cache_copies(hlo: str, sizes: set[int]) -> list[str]:

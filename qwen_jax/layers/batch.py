@@ -32,32 +32,33 @@ class Ragged(NamedTuple):
 
 
 def ragged(starts: Sequence[int], lens: Sequence[int], slots: Sequence[int], tables: Sequence[Sequence[int]],
-           num_tokens: int, num_requests: int, table_width: int) -> Ragged:
-    """The Ragged of requests laid out one after another from token 0: request i runs `lens[i]` new tokens from
-    position `starts[i]` of its sequence, on state slot `slots[i]` and KV pages `tables[i]`. Padded to `num_tokens`
-    tokens and `num_requests` requests (numpy, for the host side of a step)."""
+           num_tokens: int, num_requests: int, table_width: int, query_start: Sequence[int] | None = None,
+           request_index: Sequence[int] | None = None) -> Ragged:
+    """The Ragged of requests where request i runs `lens[i]` new tokens from position `starts[i]` of its sequence,
+    on state slot `slots[i]` and KV pages `tables[i]`. Its tokens start at `query_start[i]` on the token axis and it is
+    request `request_index[i]` of the batch (default: one after another from token 0, requests 0, 1, ...; the
+    tokens and requests between are padding). Padded to `num_tokens` tokens and `num_requests` requests (numpy, for
+    the host side of a step)."""
     count = len(lens)
-    total = int(sum(lens))
-    if count > num_requests or total > num_tokens or not len(starts) == len(slots) == len(tables) == count:
-        raise ValueError(f"{count} requests of {total} tokens for a batch of {num_requests} requests and "
-                         f"{num_tokens} tokens")
     lens_a = np.asarray(lens, np.int32)
-    query_start = np.zeros(num_requests, np.int32)
-    query_start[:count] = np.cumsum(lens_a) - lens_a
-    query_len = np.zeros(num_requests, np.int32)
-    query_len[:count] = lens_a
-    start_pos = np.zeros(num_requests, np.int32)
-    start_pos[:count] = starts
-    token_request = np.zeros(num_tokens, np.int32)
-    token_request[:total] = np.repeat(np.arange(count, dtype=np.int32), lens_a)
-    positions = np.zeros(num_tokens, np.int32)
-    positions[:total] = start_pos[token_request[:total]] + np.arange(total, dtype=np.int32) \
-        - query_start[token_request[:total]]
+    offsets = np.cumsum(lens_a) - lens_a if query_start is None else np.asarray(query_start, np.int32)
+    index = np.arange(count) if request_index is None else np.asarray(request_index, np.int64)
+    if count > num_requests or not len(starts) == len(slots) == len(tables) == len(offsets) == len(index) == count \
+            or (count and (offsets + lens_a).max() > num_tokens):
+        raise ValueError(f"{count} requests of {int(lens_a.sum())} tokens for a batch of {num_requests} requests and "
+                         f"{num_tokens} tokens")
+    query_start_a, query_len, start_pos, state_slot = (np.zeros(num_requests, np.int32) for _ in range(4))
+    query_start_a[index], query_len[index], start_pos[index], state_slot[index] = offsets, lens_a, starts, slots
     block_table = np.zeros((num_requests, table_width), np.int32)
-    for i, table in enumerate(tables):
-        block_table[i, :len(table)] = table
-    state_slot = np.zeros(num_requests, np.int32)
-    state_slot[:count] = slots
-    return Ragged(positions=positions, token_request=token_request, token_valid=np.arange(num_tokens) < total,
-                  query_start=query_start, query_len=query_len, context_len=start_pos + query_len,
+    for r, table in zip(index, tables, strict=True):
+        block_table[r, :len(table)] = table
+    request = np.repeat(np.arange(count), lens_a)  # each new token's request, in the order of `lens`
+    within = np.arange(len(request), dtype=np.int32) - np.repeat(np.cumsum(lens_a) - lens_a, lens_a)
+    at = np.repeat(offsets, lens_a) + within  # each new token's place on the token axis
+    positions, token_request = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
+    token_valid = np.zeros(num_tokens, bool)
+    positions[at] = np.asarray(starts, np.int32)[request] + within
+    token_request[at], token_valid[at] = index[request], True
+    return Ragged(positions=positions, token_request=token_request, token_valid=token_valid,
+                  query_start=query_start_a, query_len=query_len, context_len=start_pos + query_len,
                   state_slot=state_slot, fresh=(start_pos == 0) & (query_len > 0), block_table=block_table)

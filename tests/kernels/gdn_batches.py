@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.gdn import delta_rule
-from qwen_jax.layers.batch import Ragged
+from qwen_jax.layers.batch import Ragged, ragged
 from qwen_jax.layers.gated_deltanet import delta_rule as reference
 
 # max |kernel - reference| / max |reference|. float32: IEEE dots, only the sums' order differs; bf16: the kernel's dot
@@ -30,23 +30,11 @@ def shuffled_batch(lens: list[int], starts: list[int], slots: list[int], num_tok
     rng = np.random.default_rng(seed)
     count = len(lens)
     index = rng.permutation(num_requests)[:count]  # padding requests land between real ones
-    query_start, query_len, state_slot = (np.zeros(num_requests, np.int32) for _ in range(3))
-    context_len = np.zeros(num_requests, np.int32)
-    fresh = np.zeros(num_requests, bool)
-    positions, token_request = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
-    token_valid = np.zeros(num_tokens, bool)
-    t = 0
+    query_start, t = np.zeros(count, np.int32), 0
     for i in rng.permutation(count):
         t += int(rng.integers(0, 2))
-        r, n = index[i], lens[i]
-        query_start[r], query_len[r], state_slot[r] = t, n, slots[i]
-        context_len[r], fresh[r] = starts[i] + n, starts[i] == 0
-        positions[t:t + n], token_request[t:t + n], token_valid[t:t + n] = starts[i] + np.arange(n), r, True
-        t += n
-    assert t <= num_tokens, (t, num_tokens)
-    return Ragged(positions=positions, token_request=token_request, token_valid=token_valid, query_start=query_start,
-                  query_len=query_len, context_len=context_len, state_slot=state_slot, fresh=fresh,
-                  block_table=np.zeros((num_requests, 1), np.int32))
+        query_start[i], t = t, t + lens[i]
+    return ragged(starts, lens, slots, [[]] * count, num_tokens, num_requests, 1, query_start, index)
 
 
 def make_inputs(seed: int, tokens: int, nk: int, nv: int, dk: int, dv: int, num_slots: int,

@@ -27,21 +27,13 @@ def shuffled(batch: Ragged, rng: np.random.Generator) -> tuple[Ragged, np.ndarra
     index = rng.permutation(requests)  # old request r -> new request index[r]
     cuts = np.sort(rng.integers(0, tokens - int(batch.query_len.sum()) + 1, len(real)))
     gaps = np.diff(cuts, prepend=0)  # padding tokens before each request
-    new = {name: np.zeros_like(getattr(batch, name)) for name in Ragged._fields}
-    source = np.full(tokens, -1)
-    t = 0
+    query_start, source, t = np.zeros(requests, np.int32), np.full(tokens, -1), 0
     for r, gap in zip(rng.permutation(real), gaps):
-        i, n, old = index[r], batch.query_len[r], batch.query_start[r]
-        t += gap
-        for name in ("query_len", "context_len", "state_slot", "fresh", "block_table"):
-            new[name][i] = getattr(batch, name)[r]
-        new["query_start"][i] = t
-        new["positions"][t:t + n] = batch.positions[old:old + n]
-        new["token_request"][t:t + n] = i
-        new["token_valid"][t:t + n] = True
-        source[t:t + n] = np.arange(old, old + n)
-        t += n
-    return Ragged(**new), source
+        n, old = batch.query_len[r], batch.query_start[r]
+        query_start[r], source[t + gap:t + gap + n], t = t + gap, np.arange(old, old + n), t + gap + n
+    new = ragged(batch.context_len[real] - batch.query_len[real], batch.query_len[real], batch.state_slot[real],
+                 batch.block_table[real], tokens, requests, batch.block_table.shape[1], query_start[real], index[real])
+    return new, source
 
 
 def make_inputs(seed: int, requests: list[tuple[int, int]], num_tokens: int, num_requests: int, heads: int,
