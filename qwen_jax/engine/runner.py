@@ -205,29 +205,33 @@ class ModelRunner:
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 forward = self._forward(layout)
                 sample = self._sampler(sampling_layout, path, top, penalties)
-                buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
-                inputs = self._inputs[layout.size] = step.stage_inputs(self._input_buffer(layout.size), buffer)
+                inputs, sampling = self._stage(layout, buffer, sampling)
                 logits, self.cache = forward(self.params, self.cache, self.last_tokens, inputs)
                 out, self.last_tokens, counts = sample(logits, sampling, self.last_tokens,
                                                        self.penalty_counts if penalties else None)
                 if penalties:
                     self.penalty_counts = counts
-                for array in out:
-                    array.copy_to_host_async()
             elif kind == "decode_steps":
                 buffer, layout, sampling, sampling_layout, path, top, steps = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 program = self._decode_program(layout, sampling_layout, path, top, steps)
-                buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
-                inputs = self._inputs[layout.size] = step.stage_inputs(self._input_buffer(layout.size), buffer)
+                inputs, sampling = self._stage(layout, buffer, sampling)
                 out, self.cache, self.last_tokens = program(self.params, self.cache, self.last_tokens, inputs, sampling)
-                for array in out:
-                    array.copy_to_host_async()
             elif kind == "compile":
                 self.compile(args[0])
             else:
                 raise ValueError(f"unknown step op {kind!r}")
+        if out is not None:
+            for array in out:
+                array.copy_to_host_async()
         return out
+
+    def _stage(self, layout: step.Layout, buffer, sampling) -> tuple[jax.Array, jax.Array]:
+        """A step's packed inputs on the devices: the forward's copied into its bucket's input buffer (in place),
+        the sampler's as they come."""
+        buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
+        self._inputs[layout.size] = step.stage_inputs(self._input_buffer(layout.size), buffer)
+        return self._inputs[layout.size], sampling
 
     # ---- compiled programs -----------------------------------------------------------------------------------
     @property
@@ -276,7 +280,7 @@ class ModelRunner:
 
     def _compile_decoder(self, size: int) -> None:
         layout = self.step_inputs_for(size)[1]
-        sampling_layout = self._sampling_layout(size)
+        sampling_layout = self._padding_sampling(size)[1]
         buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
         sampling = jax.ShapeDtypeStruct((sampling_layout.size,), np.int32, sharding=step.replicated(self.mesh))
         self._decoders[size] = step.decode_steps.lower(
@@ -307,11 +311,12 @@ class ModelRunner:
             logits, sampling, self._abstract(self.last_tokens), None, layout=layout, num_top_logprobs=0,
             path=path).compile()
 
-    def _sampling_layout(self, size: int) -> step.Layout:
-        requests = step.request_bucket(size, self.max_num_seqs)
-        tensors = SamplingTensors.build_host([], [], vocab_size=self.vocab_size, batch_size=requests,
+    def _padding_sampling(self, size: int) -> tuple[np.ndarray, step.Layout]:
+        """The packed sampling tensors of a step of `size` padding tokens (every row greedy)."""
+        tensors = SamplingTensors.build_host([], [], vocab_size=self.vocab_size,
+                                             batch_size=step.request_bucket(size, self.max_num_seqs),
                                              num_penalty_rows=self.num_slots)
-        return step.pack(tensors._asdict())[1]
+        return step.pack(tensors._asdict())
 
     def compile(self, sizes: list[int], threads: int | None = None) -> None:
         """Compile the forwards of the token buckets `sizes` not compiled yet and the greedy and top-k samplers of
@@ -323,7 +328,7 @@ class ModelRunner:
         def compile_one(size: int) -> None:
             began = time.perf_counter()
             self._forwards[size] = self._compile_forward(self.step_inputs_for(size)[1])
-            layout = self._sampling_layout(size)
+            layout = self._padding_sampling(size)[1]
             for path in (0, 1):
                 if (layout, path, 0, False) not in self._samplers:
                     self._compile_sampler(layout, path)
@@ -365,10 +370,7 @@ class ModelRunner:
         self.executor([("compile", list(first))])
         for size in first:
             buffer, layout = self.step_inputs_for(size)
-            tensors = SamplingTensors.build_host([], [], vocab_size=self.vocab_size,
-                                                 batch_size=step.request_bucket(size, self.max_num_seqs),
-                                                 num_penalty_rows=self.num_slots)
-            sampling, sampling_layout = step.pack(tensors._asdict())
+            sampling, sampling_layout = self._padding_sampling(size)
             for path in (0, 1):
                 jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, path, 0,
                                                       False)]))

@@ -100,7 +100,6 @@ def unpack(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
 
 
 RAGGED_KEYS = Ragged._fields
-SAMPLING_KEYS = SamplingTensors._fields
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -108,6 +107,19 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 # ---- the forward ----------------------------------------------------------------------------------------------------
+def step_batch(buffer: jax.Array, layout: Layout, last_tokens: jax.Array) -> tuple[jax.Array, Ragged, jax.Array]:
+    """A step's packed inputs: (tokens [T], each a row of the previous step's sampled tokens `last_tokens` where its
+    token_source is >= 0; the Ragged; sample_index [R])."""
+    a = unpack(buffer, layout)
+    source = a["token_source"]
+    tokens = jnp.where(source >= 0, last_tokens[jnp.maximum(source, 0)], a["tokens"])
+    return tokens, Ragged(**{k: a[k] for k in RAGGED_KEYS}), a["sample_index"]
+
+
+def sampling_tensors(buffer: jax.Array, layout: Layout) -> SamplingTensors:
+    return SamplingTensors(**unpack(buffer, layout))
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh"), donate_argnames=("cache",),
                    compiler_options=EXACT)
 def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array, *, layout: Layout,
@@ -115,11 +127,8 @@ def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array
     """One step's forward: (float32 logits [R, V] of each request's last token, the updated cache).
     buffer (packed): tokens [T] with token_source [T] (>= 0: the token is that row of the previous step's sampled
     tokens `last_tokens`, still on the device; -1: tokens[t]), the Ragged fields, sample_index [R]."""
-    a = unpack(buffer, layout)
-    source = a["token_source"]
-    tokens = jnp.where(source >= 0, last_tokens[jnp.maximum(source, 0)], a["tokens"])
-    batch = Ragged(**{k: a[k] for k in RAGGED_KEYS})
-    logits, cache = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh), a["sample_index"])
+    tokens, batch, sample_index = step_batch(buffer, layout, last_tokens)
+    logits, cache = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh), sample_index)
     layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
     return jax.lax.with_sharding_constraint(logits, replicated(mesh)), {"layers": layers}
 
@@ -136,21 +145,18 @@ def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.
     than the GPU to run. The forward and the sampler of a step are those of `forward` and `sample_step`, and a row
     draws the numbers it would draw over that many single steps (SamplingTensors.rng_step). Returns (SampleOutput
     with a leading axis of steps, the cache, last_tokens holding the last step's tokens)."""
-    a = unpack(buffer, layout)
-    tensors = SamplingTensors(**{k: v for k, v in unpack(sampling, sampling_layout).items() if k in SAMPLING_KEYS})
-    source = a["token_source"]
-    tokens = jnp.where(source >= 0, last_tokens[jnp.maximum(source, 0)], a["tokens"])
-    batch = Ragged(**{k: a[k] for k in RAGGED_KEYS})
+    tokens, batch, sample_index = step_batch(buffer, layout, last_tokens)
+    tensors = sampling_tensors(sampling, sampling_layout)
     live = batch.query_len > 0
     # each request's one token sits at its sample index; a padding request's sample goes nowhere
-    at = jnp.where(live, a["sample_index"], tokens.shape[0])
+    at = jnp.where(live, sample_index, tokens.shape[0])
     ops = ops_for_mesh(cfg, mesh)
 
     def one(j, carry):
         cache, tokens, outs = carry
         moved = batch._replace(positions=batch.positions + j * batch.token_valid,
                                context_len=batch.context_len + j * live)
-        logits, cache = decoder.forward(params, cache, tokens, moved, cfg, ops, a["sample_index"])
+        logits, cache = decoder.forward(params, cache, tokens, moved, cfg, ops, sample_index)
         logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
         rng = tensors.rng + jnp.uint32(j) * tensors.rng_step
         out, _ = sample(logits, tensors._replace(rng=rng), None, num_top_logprobs=num_top_logprobs, path=path)
@@ -175,8 +181,7 @@ def sample_step(logits: jax.Array, buffer: jax.Array, last_tokens: jax.Array, co
     """Sample each request's next token (engine/sampler.py) from the forward's logits, with the SamplingTensors
     packed in `buffer`. Returns (SampleOutput [R], last_tokens with its first R rows these tokens, for the next
     step's forward, the penalty counts). last_tokens is written in place."""
-    a = unpack(buffer, layout)
-    tensors = SamplingTensors(**{k: a[k] for k in SAMPLING_KEYS})
+    tensors = sampling_tensors(buffer, layout)
     out, counts = sample(logits, tensors, counts, num_top_logprobs=num_top_logprobs, path=path)
     return out, last_tokens.at[:out.tokens.shape[0]].set(out.tokens), counts
 
