@@ -19,6 +19,7 @@ import numpy as np
 
 from qwen_jax.config import load_config
 from qwen_jax.engine import step
+from qwen_jax.engine.core import engine_args
 from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SamplingTensors
 from qwen_jax.weights import dummy_params
@@ -78,10 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config).with_kernels(args.kernels)
     mesh = make_mesh(1)
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
-    engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, block_size=16,
-                       gpu_memory_utilization=0.9, enable_prefix_caching=False, num_snapshots=0,
-                       cpu_cache_budget_gib=2.0, num_kv_blocks=4096)
-    replica = Replica(0, cfg, params, mesh, engine_args, 4096, [0], seed=0)
+    sizes = engine_args(dict(max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, num_snapshots=0,
+                             num_kv_blocks=4096))
+    replica = Replica(0, cfg, params, mesh, sizes, 4096, [0], seed=0)
     runner = replica.runner
     leaves = len(jax.tree.leaves(params)), len(jax.tree.leaves(runner.cache))
     rows = []
