@@ -45,8 +45,7 @@ def decode_layout(batch_size: int, context: int, block_size: int, table_width: i
     batch = ragged([context] * batch_size, [1] * batch_size, list(range(1, batch_size + 1)),
                    [list(range(1 + r * blocks, 1 + (r + 1) * blocks)) for r in range(batch_size)],
                    batch_size, batch_size, table_width)
-    return step.pack(dict(tokens=np.zeros(batch_size, np.int32), token_source=np.zeros(batch_size, np.int32),
-                          **batch._asdict(), sample_index=np.arange(batch_size, dtype=np.int32)))[1]
+    return step.pack_inputs(np.zeros(batch_size, np.int32), batch, np.zeros(batch_size, np.int32))[1]
 
 
 def step_collectives(cfg: ModelConfig, mesh: Mesh, batch_size: int = 8, num_blocks: int = 64, block_size: int = 16,

@@ -123,8 +123,7 @@ class ModelRunner:
         for i, r in enumerate(rows):
             if r.samples:
                 r.seq.sample_row = i
-        return step.pack(dict(tokens=tokens, token_source=source, **batch._asdict(),
-                              sample_index=np.maximum(batch.query_start + batch.query_len - 1, 0).astype(np.int32)))
+        return step.pack_inputs(tokens, batch, source)
 
     def prepare(self, rows: list[Row]) -> list:
         """The device work of one planned step as host data, an op list run in order by the executor:
@@ -359,8 +358,7 @@ class ModelRunner:
     def step_inputs_for(self, size: int) -> tuple[np.ndarray, step.Layout]:
         """The packed inputs of a step of `size` padding tokens (no request: every write goes to the sinks)."""
         batch = ragged([], [], [], [], size, step.request_bucket(size, self.max_num_seqs), self.table_width)
-        return step.pack(dict(tokens=np.zeros(size, np.int32), token_source=np.full(size, -1, np.int32),
-                              **batch._asdict(), sample_index=np.zeros(len(batch.query_len), np.int32)))
+        return step.pack_inputs(np.zeros(size, np.int32), batch)
 
     def warmup(self, first: list[int], max_pairs: int, background: list[int] = ()) -> None:
         """Compile the steps of the token buckets `first` (several at once), run each on padding only (no request:

@@ -166,9 +166,7 @@ class Engine:
                        self.blocks_per_seq)
         flat = np.zeros(num_tokens, np.int32)
         flat[:sum(lens)] = np.concatenate(tokens)
-        buffer, layout = step.pack(dict(
-            tokens=flat, token_source=np.full(num_tokens, -1, np.int32), **batch._asdict(),
-            sample_index=np.maximum(batch.query_start + batch.query_len - 1, 0).astype(np.int32)))
+        buffer, layout = step.pack_inputs(flat, batch)
         logits, self.cache = step.forward(self.params, self.cache, self._no_tokens,
                                           jax.device_put(buffer, self.device), layout=layout, cfg=self.cfg,
                                           mesh=self.mesh)

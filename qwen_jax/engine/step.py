@@ -102,6 +102,21 @@ def unpack(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
 RAGGED_KEYS = Ragged._fields
 
 
+def sample_index(batch: Ragged) -> np.ndarray:
+    """Each request's last token, whose logits the step computes (0 for padding requests)."""
+    return np.maximum(np.asarray(batch.query_start) + np.asarray(batch.query_len) - 1, 0).astype(np.int32)
+
+
+def pack_inputs(tokens: np.ndarray, batch: Ragged, token_source: np.ndarray | None = None
+                ) -> tuple[np.ndarray, Layout]:
+    """A forward's packed inputs: the tokens [T], where each comes from (token_source, see `forward`; None: all from
+    `tokens`), the Ragged fields and each request's sample index."""
+    if token_source is None:
+        token_source = np.full(len(tokens), -1, np.int32)
+    return pack(dict(tokens=np.asarray(tokens, np.int32), token_source=token_source, **batch._asdict(),
+                     sample_index=sample_index(batch)))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -62,11 +62,6 @@ def step_batches() -> list[tuple[np.ndarray, Ragged]]:
     return steps
 
 
-def sample_index(batch: Ragged) -> np.ndarray:
-    """Each request's last token (the engine's choice of which logits to compute; 0 for padding requests)."""
-    return np.maximum(batch.query_start + batch.query_len - 1, 0).astype(np.int32)
-
-
 def packed_steps() -> list[tuple[np.ndarray, np.ndarray, step.Layout]]:
     """step_batches as engine.step.forward's inputs: (last_tokens [REQUESTS], packed buffer, layout) per step. The
     second decode step reads its tokens from last_tokens (as the engine feeds a decode row the token the previous
@@ -79,7 +74,6 @@ def packed_steps() -> list[tuple[np.ndarray, np.ndarray, step.Layout]]:
             real = np.flatnonzero(batch.token_valid)
             last_tokens[:len(real)], source[real] = tokens[real], np.arange(len(real))
             tokens = np.zeros_like(tokens)
-        buffer, layout = step.pack(dict(tokens=tokens, token_source=source, **batch._asdict(),
-                                        sample_index=sample_index(batch)))
+        buffer, layout = step.pack_inputs(tokens, batch, source)
         packed.append((last_tokens, buffer, layout))
     return packed

@@ -11,8 +11,9 @@ import sys
 import jax
 import numpy as np
 from sharding_hosts import HERE, free_port, host_env
-from sharding_tiny_models import BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, sample_index, step_batches, tiny_config
+from sharding_tiny_models import BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS, step_batches, tiny_config
 
+from qwen_jax.engine import step
 from qwen_jax.models import decoder
 
 TIMEOUT_S = 150
@@ -42,12 +43,12 @@ def test_two_processes_give_single_process_logits(tmp_path):
     cache = decoder.init_cache(cfg, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
     forward = jax.jit(functools.partial(decoder.forward, cfg=cfg))
     results = [np.load(o) for o in outs]
-    for step, (tokens, batch) in enumerate(step_batches()):
-        ref, cache = forward(params, cache, tokens, batch, sample_index=sample_index(batch))
+    for n, (tokens, batch) in enumerate(step_batches()):
+        ref, cache = forward(params, cache, tokens, batch, sample_index=step.sample_index(batch))
         ref = np.asarray(ref)[:3]  # the fourth request is padding
         for host, result in enumerate(results):
-            rel = np.abs(result[f"arr_{step}"][:3] - ref).max() / np.abs(ref).max()
-            assert rel <= 1e-5, f"host {host} step {step}: relative error {rel:.2e}"
+            rel = np.abs(result[f"arr_{n}"][:3] - ref).max() / np.abs(ref).max()
+            assert rel <= 1e-5, f"host {host} step {n}: relative error {rel:.2e}"
     total = sum(a.nbytes for a in jax.tree.leaves(params))
     for result in results:  # each host holds its 4 devices' shards: about half the weights, never all of them
         assert total / 2 <= int(result["local_bytes"]) < 0.75 * total

@@ -14,7 +14,6 @@ from sharding_tiny_models import (
     NUM_BLOCKS,
     NUM_SLOTS,
     packed_steps,
-    sample_index,
     step_batches,
     tiny_config,
 )
@@ -42,7 +41,7 @@ def reference(tiny_name):
     forward = jax.jit(functools.partial(decoder.forward, cfg=cfg))
     logits = []
     for tokens, batch in step_batches():
-        out, cache = forward(params, cache, tokens, batch, sample_index=sample_index(batch))
+        out, cache = forward(params, cache, tokens, batch, sample_index=step.sample_index(batch))
         logits.append(np.asarray(out)[:NUM_REAL])
     return cfg, jax.tree.map(np.asarray, params), logits
 
