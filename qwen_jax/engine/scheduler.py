@@ -34,7 +34,6 @@ class Row:
 class StepPlan:
     rows: list[Row]
     preempted: list[Sequence]
-    steps: int = 1  # decode steps of every row (see Scheduler.schedule)
 
     @property
     def empty(self) -> bool:
@@ -118,7 +117,7 @@ class Scheduler:
         its prompt for a prefilling one) under the token budget, preempting the newest when blocks run out, then
         waiting sequences while the budget, a slot and blocks allow. The plan's progress is booked at once.
         max_steps > 1: when the step holds only decoding sequences, nothing waits and each has room for them, it runs
-        up to that many decode steps in one program (`multi_step`)."""
+        up to that many decode steps in one program (`_multi_step`)."""
         budget = self.max_num_batched_tokens
         rows: list[Row] = []
         preempted: list[Sequence] = []
@@ -169,7 +168,7 @@ class Scheduler:
         for row in rows:
             row.steps = steps
             self._book(row)
-        return StepPlan(rows, preempted, steps)
+        return StepPlan(rows, preempted)
 
     def _multi_step(self, rows: list[Row], max_steps: int) -> int:
         """How many decode steps `rows` run at once: max_steps when every row is a decoding row of a running
