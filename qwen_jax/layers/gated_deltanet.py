@@ -1,5 +1,5 @@
 """Gated DeltaNet (Qwen3.5 linear attention): causal conv1d with a rolling state, L2-normed q/k, decay gates and
-the delta-rule recurrence on a float32 state, as a chunked (WY-form) scan for prefill and one step for decode.
+the delta-rule recurrence on a float32 state, as a chunked (WY-form) scan (a decode row is a chunk of one token).
 
 Reference math for pallas_kernels/gdn_* and causal_conv, on the ragged token axis (layers/batch.py); state slots are
 read and written only at the rows the batch's requests name.
@@ -15,43 +15,11 @@ from qwen_jax.layers.norms import gated_rms_norm
 CHUNK_SIZE = 64
 
 
-def causal_conv(x: jax.Array, state: jax.Array, weight: jax.Array, seq_lens: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
-    """Depthwise causal conv + SiLU. x: [B, S, C...]; state: [B, K-1, C...] (the K-1 inputs before x);
-    weight: [K, C...]. Returns (out [B, S, C...], new state = the K-1 inputs ending at each row's last valid token).
-
-    Over the inputs `full` = state then x, tap i of token t reads full[t + i]. Each tap's window is formed on its
-    own (the state's rows, then x's): from one shared `full`, XLA made a copy of x (0.55 TB/s on an H200) where
-    the windows fuse into the conv's one loop over x (1.0-1.3 TB/s; BENCH_H200.md, twelfth session)."""
-    kernel, seq = weight.shape[0], x.shape[1]
-    state = state.astype(x.dtype)
-
-    def window(i):  # full[:, i:i + seq]
-        parts = state[:, i:min(i + seq, kernel - 1)], x[:, :max(0, i + seq - (kernel - 1))]
-        return jnp.concatenate([p for p in parts if p.shape[1]], axis=1)
-
-    w = weight.astype(jnp.float32)
-    out = sum(window(i).astype(jnp.float32) * w[i] for i in range(kernel))
-    out = jax.nn.silu(out.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)  # HF rounds the conv, then SiLU
-    return out, conv_state(x, state, seq_lens, kernel)
-
-
-def conv_state(x: jax.Array, state: jax.Array, seq_lens: jax.Array, kernel: int) -> jax.Array:
-    """The conv's new state: the K-1 inputs of `full` (state then x) ending at each row's seq_len, from x or (rows
-    shorter than K-1) from the state. x: [B, S, C...]; state: [B, K-1, C...] -> [B, K-1, C...] in x's dtype."""
-    seq, state = x.shape[1], state.astype(x.dtype)
-    at = seq_lens[:, None] + jnp.arange(kernel - 1)[None, :]  # [B, K-1] positions in full
-    at = at.reshape(at.shape + (1,) * (x.ndim - 2))
-    from_x = jnp.take_along_axis(x, jnp.clip(at - (kernel - 1), 0, seq - 1), axis=1)
-    from_state = jnp.take_along_axis(state, jnp.clip(at, 0, kernel - 2), axis=1)
-    return jnp.where(at >= kernel - 1, from_x, from_state)
-
-
 def ragged_causal_conv(x: jax.Array, states: jax.Array, weight: jax.Array, batch: Ragged) -> jax.Array:
-    """`causal_conv`'s outputs on the ragged token axis. x: [T, C...]; states: [R, K-1, C...] (the K-1 inputs before
-    each request's first token); weight: [K, C...]. Token t of request r, i tokens into it, reads for tap j the input
-    i + j - (K-1) of its request: x[t + j - (K-1)] from 0 on, the state's row before. Padding tokens give garbage
-    that nothing reads."""
+    """Depthwise causal conv + SiLU on the ragged token axis. x: [T, C...]; states: [R, K-1, C...] (the K-1 inputs
+    before each request's first token); weight: [K, C...]. Token t of request r, i tokens into it, reads for tap j
+    the input i + j - (K-1) of its request: x[t + j - (K-1)] from 0 on, the state's row before. Padding tokens give
+    garbage that nothing reads."""
     kernel, tokens = weight.shape[0], x.shape[0]
     states = states.astype(x.dtype)
     offset = jnp.arange(tokens) - batch.query_start[batch.token_request]  # [T] tokens before t in its request
@@ -95,15 +63,6 @@ def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weigh
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def recurrent_step(q, k, v, g, beta, state):
-    """One token. q, k: [B, Hv, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv] (all float32)."""
-    state = state * jnp.exp(g)[..., None, None]
-    predicted = jnp.einsum("bhkv,bhk->bhv", state, k)
-    delta = (v - predicted) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    return jnp.einsum("bhkv,bhk->bhv", state, q), state
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
@@ -229,5 +188,4 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: Ragged, cfg, delta_rule
     return out, {"conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "ssm": ssm}
 
 
-__all__ = ["gdn_layer", "delta_rule", "chunked_delta_rule", "recurrent_step", "causal_conv", "causal_convs",
-           "conv_state", "linear", "chunk_items"]
+__all__ = ["gdn_layer", "delta_rule", "chunked_delta_rule", "causal_convs", "linear", "chunk_items"]

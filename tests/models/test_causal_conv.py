@@ -1,13 +1,14 @@
-"""The GDN causal conv (qwen_jax.layers.gated_deltanet.causal_conv) forms each tap's window from the state's rows and
-x's separately; it must equal the conv over one concatenation of state and x, token by token, with the same bf16
-roundings, for prompts shorter and longer than the conv and every seq_len from 0 to the width."""
+"""The GDN causal conv op (qwen_jax.layers.gated_deltanet.causal_convs, on a ragged batch) forms each tap's window
+from the state's rows and x's separately; it must equal the conv over one concatenation of state and x, token by
+token, with the same bf16 roundings, for requests shorter and longer than the conv (0 tokens to the width)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen_jax.layers.gated_deltanet import causal_conv
+from qwen_jax.layers.batch import ragged
+from qwen_jax.layers.gated_deltanet import causal_convs
 
 EXACT = {"xla_allow_excess_precision": False}  # the engine's programs keep every bf16 rounding (engine/step.py)
 
@@ -33,8 +34,14 @@ def test_windows_equal_the_concatenated_conv(seq, kernel, state_dtype):
     state = jnp.asarray(rng.standard_normal((batch, kernel - 1, 2, 8)), state_dtype)
     weight = jnp.asarray(rng.standard_normal((kernel, 2, 8)), jnp.bfloat16)
     seq_lens = jnp.arange(batch, dtype=jnp.int32)
-    got = jax.jit(causal_conv, compiler_options=EXACT)(x, state, weight, seq_lens)
-    want = jax.jit(concatenated, compiler_options=EXACT)(x, state, weight, seq_lens)
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    want_out, want_state = jax.jit(concatenated, compiler_options=EXACT)(x, state, weight, seq_lens)
+    # request b: the first seq_lens[b] tokens of row b, past the start of its sequence (its state is read), slot b+1
+    lens = list(range(batch))
+    flat = jnp.concatenate([x[b, :n] for b, n in enumerate(lens)])
+    requests = ragged([kernel] * batch, lens, list(range(1, batch + 1)), [[]] * batch, flat.shape[0], batch, 1)
+    cache = jnp.concatenate([jnp.zeros_like(state[:1]), state]).astype(x.dtype)  # slot 0: the sink
+    (out,), (new_cache,) = jax.jit(causal_convs, compiler_options=EXACT)((flat,), (cache,), (weight,), requests)
+    assert out.dtype == want_out.dtype and new_cache.dtype == want_state.dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(
+        jnp.concatenate([want_out[b, :n] for b, n in enumerate(lens)]), np.float32))
+    np.testing.assert_array_equal(np.asarray(new_cache[1:], np.float32), np.asarray(want_state, np.float32))

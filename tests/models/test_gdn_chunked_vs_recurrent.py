@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen_jax.layers.gated_deltanet import CHUNK_SIZE, chunked_delta_rule, l2_normalize, recurrent_step
+from qwen_jax.layers.gated_deltanet import CHUNK_SIZE, chunked_delta_rule, l2_normalize
 
 
 def _inputs(batch: int, seq: int, heads: int = 3, dk: int = 16, dv: int = 8, seed: int = 0):
@@ -21,6 +21,16 @@ def _inputs(batch: int, seq: int, heads: int = 3, dk: int = 16, dv: int = 8, see
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, seq, heads)))
     state = jax.random.normal(keys[5], (batch, heads, dk, dv)) * 0.1
     return q, k, v, g, beta, state
+
+
+def recurrent_step(q, k, v, g, beta, state):
+    """The recurrence itself, one token. q, k: [B, Hv, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv]; state: [B, Hv, Dk, Dv]
+    (all float32)."""
+    state = state * jnp.exp(g)[..., None, None]
+    predicted = jnp.einsum("bhkv,bhk->bhv", state, k)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", state, q), state
 
 
 SEQ = 2 * CHUNK_SIZE + 37  # two full chunks and a padded partial one
