@@ -29,6 +29,9 @@ from sharding.mesh import describe as describe_mesh
 # takes about 7 ms), and one program for several steps is issued once.
 DECODE_STEPS = 4
 DECODE_STEPS_MAX_ROWS = 8
+# The default token budget of a step (engine argument max_num_batched_tokens; core.py says why).
+GPU_BATCHED_TOKENS = 8192
+BATCHED_TOKENS = 2048
 
 
 class Replica:
@@ -40,7 +43,10 @@ class Replica:
         self.mesh = mesh
         self.max_model_len = max_model_len
         self.max_num_seqs = int(args["max_num_seqs"])
-        self.max_num_batched_tokens = int(args["max_num_batched_tokens"])
+        budget = args["max_num_batched_tokens"]
+        if budget is None:
+            budget = GPU_BATCHED_TOKENS if jax.default_backend() == "gpu" else BATCHED_TOKENS
+        self.max_num_batched_tokens = int(budget)
         self.block_size = int(args["block_size"])
         self._size_memory(args)
         self.blocks = BlockPool(self.num_blocks, self.block_size)

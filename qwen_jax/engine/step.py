@@ -29,11 +29,13 @@ EXACT = {"xla_allow_excess_precision": False}
 
 
 def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
-    """The token counts a step is padded to (one compiled forward each): powers of two up to 512, then steps of
-    512, and the token budget itself. Small steps (decode at low concurrency) pad little; large ones are rarer and
-    mostly fill the budget (the scheduler fills it whenever a prompt waits)."""
+    """The token counts a step is padded to (one compiled forward each): powers of two up to 512, steps of 512 up
+    to 2048, then steps of 2048, and the token budget itself. Small steps (decode at low concurrency) pad little;
+    large ones are prefill steps, which mostly fill the budget (the scheduler fills it whenever a prompt waits), so
+    few buckets serve them and a cold start compiles few programs."""
     budget = int(max_num_batched_tokens)
-    sizes = {1 << i for i in range(10) if 1 << i < budget} | set(range(512, budget, 512)) | {budget}
+    sizes = ({1 << i for i in range(10) if 1 << i < budget} | set(range(512, min(budget, 2048), 512))
+             | set(range(2048, budget, 2048)) | {budget})
     return sorted(sizes)
 
 
