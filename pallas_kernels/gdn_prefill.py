@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.gdn_decode import L2_EPS, _softplus
+from pallas_kernels.gdn_math import L2_EPS, softplus
 
 F32 = jnp.float32
 
@@ -85,7 +85,7 @@ def _gates(a_ref, b_ref, a_log_ref, dt_bias_ref, h, tok, live) -> tuple[jax.Arra
     a = pltriton.load(a_ref.at[tok, h], mask=live, other=0.0).astype(F32)
     b = pltriton.load(b_ref.at[tok, h], mask=live, other=0.0)
     beta = jax.nn.sigmoid(b.astype(F32)).astype(b.dtype).astype(F32)  # rounded to b's dtype, as HF does
-    g = -jnp.exp(a_log_ref[h].astype(F32)) * _softplus(a + dt_bias_ref[h].astype(F32))
+    g = -jnp.exp(a_log_ref[h].astype(F32)) * softplus(a + dt_bias_ref[h].astype(F32))
     return jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
 
 

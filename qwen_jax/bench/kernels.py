@@ -1,6 +1,6 @@
-"""GPU benchmark of the Pallas kernels against their jnp references (`python -m pallas_kernels.bench`): time, achieved
-bandwidth (and TFLOP/s for the MoE GEMM and attention) and on-device error per shape, as markdown tables. Never writes
-files and never touches the model. `--only gdn`, `--only gdn_prefill`, `--only moe` or `--only paged_attention` runs
+"""GPU benchmark of the kernels of pallas_kernels/ against their jnp references (`python -m qwen_jax.bench.kernels`):
+time, achieved bandwidth (and TFLOP/s for the MoE GEMM and attention) and on-device error per shape, as markdown
+tables. Never touches the model. `--only gdn`, `--only gdn_prefill`, `--only moe` or `--only paged_attention` runs
 one kernel; `--only skinny_matmul` the one-row projections, `--only router` the MoE routing.
 
 Exit status: 0 when every kernel configuration lowered, ran and matched its reference; 1 otherwise (the reference
@@ -22,10 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import gdn, gdn_decode, gdn_prefill, moe_gemm, paged_attention, router, skinny_matmul
+from pallas_kernels.tiling import triton_available
+from qwen_jax.bench.gpu_profile import profile_calls
 from qwen_jax.layers.attention import paged_attention as attention_reference
 from qwen_jax.layers.batch import ragged
+from qwen_jax.layers.gated_deltanet import causal_convs
 from qwen_jax.layers.gated_deltanet import delta_rule as gdn_reference
-from qwen_jax.layers.mlp import route, sparse_moe
+from qwen_jax.layers.mlp import dense, route, route_logits, routed_experts_f32
+from qwen_jax.layers.ops import ops_for
 
 PEAK_TBS = 4.3  # H200 HBM3e
 PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 tensor cores
@@ -206,8 +210,6 @@ def gpu_us(call: Callable[[], object]) -> float:
     qwen_jax/bench/gpu_profile.py), so no host dispatch or gaps between launches. time_chained's figure for a ~70 us
     kernel runs 20-30 us above this on an H200; this is the one to hold against the roofline. NaN on the CPU (no
     kernel events)."""
-    from qwen_jax.bench.gpu_profile import profile_calls
-
     busy_ms = profile_calls(call, calls=5)["gpu_busy_ms_per_call"]
     return busy_ms * 1e3 if busy_ms > 0 else float("nan")
 
@@ -320,7 +322,7 @@ def _moe_line(lines, tokens, used, moved, flops, ref_us, impl, config, us, err=f
 def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool, defaults_only: bool = False) -> list:
     """(impl, config label, routed_experts with that configuration) to time at this token count: the defaults,
     then (unless defaults_only) each layout's sweep (native Triton only on a GPU with jax-triton)."""
-    native = not interpret and moe_gemm.triton_available()
+    native = not interpret and triton_available()
     sweep = tokens >= MOE_SORTED_SWEEP and not small
     candidates = [dict()]
     if tokens <= 2 * moe_gemm.FEW_TOKENS:
@@ -371,11 +373,11 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
         flops = 2 * tokens * dims["top_k"] * 3 * h * i
         # ragged_dot materialises [groups, rows, H] on the GPU: the reference runs 2,048 tokens at a time (exact:
         # tokens are independent)
-        ref = jax.jit(moe_gemm.reference)
+        ref = jax.jit(routed_experts_f32)
         want = np.concatenate([np.asarray(ref(x[t:t + 2048], args[1][t:t + 2048], args[2][t:t + 2048], *experts),
                                           np.float64) for t in range(0, tokens, 2048)])
         # ragged_dot takes ~80 ms at 4,096 tokens and grows linearly: timed up to there
-        ref_us = time_chained(as_x(moe_gemm.reference), args, chain, repeats, operand_sets) if tokens <= 4096 \
+        ref_us = time_chained(as_x(routed_experts_f32), args, chain, repeats, operand_sets) if tokens <= 4096 \
             else float("nan")
         line = functools.partial(_moe_line, lines, tokens, used, moved, flops, ref_us)
         line("ragged_dot (XLA)", "-", ref_us)
@@ -402,7 +404,7 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
         for kernels in ("reference", "gpu"):
             if kernels == "reference" and tokens > 4096 or time.perf_counter() > deadline:
                 continue
-            layer = functools.partial(sparse_moe, top_k=dims["top_k"], renormalize=True, kernels=kernels)
+            layer = functools.partial(ops_for(kernels).moe, top_k=dims["top_k"], renormalize=True)
             # chained through a residual, as in the model, each call on the next set's tokens (feeding the MoE's
             # small output back as x would route every token to the same few experts)
             us = time_chained(lambda q, tokens_in, p, layer=layer: q + layer(tokens_in, p), (x, x, p), chain,
@@ -655,8 +657,8 @@ def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failu
         keys = jax.random.split(jax.random.key(k * 7 + sum(widths)), 1 + len(widths))
         x = jax.random.normal(keys[0], (rows, k)).astype(jnp.bfloat16)
         ws = tuple((jax.random.normal(key, (k, n)) * 0.02).astype(jnp.bfloat16) for key, n in zip(keys[1:], widths))
-        tiles = skinny_matmul.row_tiles(rows)  # as skinny_matmul.dense
-        xla = jax.jit(lambda x, *ws: _rounded(skinny_matmul.reference(x, w) for w in ws))
+        tiles = skinny_matmul.row_tiles(rows)  # as the layers' dense op (qwen_jax/layers/ops.py)
+        xla = jax.jit(lambda x, *ws: _rounded(dense(x, w) for w in ws))
         apart = jax.jit(lambda x, *ws, tiles=tiles: _rounded(skinny_matmul.matmul(x, w, interpret=interpret, **tiles)
                                                              for w in ws))
         fused = jax.jit(lambda x, *ws, tiles=tiles: _rounded(skinny_matmul.matmul_many(x, ws, interpret=interpret,
@@ -692,7 +694,7 @@ def bench_router(token_counts: tuple, interpret: bool, failures: list) -> str:
     lines = ["| tokens | XLA us | kernel us | vs XLA | ids equal | max weight diff | note |",
              "|---|---|---|---|---|---|---|"]
     experts, top_k = ROUTER_DIMS["experts"], ROUTER_DIMS["top_k"]
-    xla = jax.jit(lambda x: router.reference(x, top_k, True))
+    xla = jax.jit(lambda x: route_logits(x, top_k, True))
     kernel = jax.jit(lambda x: router.route_logits(x, top_k, True, interpret=interpret))
     for tokens in token_counts:
         x = (jax.random.normal(jax.random.key(tokens), (tokens, experts)) * 2).astype(jnp.bfloat16)
@@ -730,15 +732,11 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
     rows (every fourth a one-token prompt). XLA's fusions of the reference (compiled as the engine compiles) against
     the kernels' two launches, GPU time from the profiler; the kernels must equal the reference bitwise (the real
     tokens' outputs, every cache slot). Native Triton (jax-triton): nothing to time without a GPU."""
-    from pallas_kernels.moe_gemm import triton_available
-
     lines = ["| rows x tokens | MB read + written | XLA us | kernel us | TB/s | of 4.3 TB/s | vs XLA | bitwise "
              "| note |", "|---|---|---|---|---|---|---|---|---|"]
     if not triton_available():
         return "\n".join(lines + ["| - | - | - | - | - | - | - | - | skipped: needs a GPU with jax-triton |"])
-    from pallas_kernels import causal_conv
-    from qwen_jax.layers.batch import ragged
-    from qwen_jax.layers.gated_deltanet import causal_convs
+    from pallas_kernels import causal_conv  # imports triton: GPU machines only
 
     exact = {"xla_allow_excess_precision": False}  # as the engine compiles: every bf16 rounding kept
     xla = jax.jit(causal_convs, compiler_options=exact, donate_argnums=(1,))

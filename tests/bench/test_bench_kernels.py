@@ -1,8 +1,8 @@
-"""pallas_kernels/bench.py --small: every kernel's table on tiny shapes, interpreted on the CPU, without a failure.
+"""qwen_jax.bench.kernels --small: every kernel's table on tiny shapes, interpreted on the CPU, without a failure.
 The bench is how the kernels' GPU numbers are taken; a call in it that falls behind a kernel's signature would
 otherwise only show on the device (as ecf7108's change of a launch's arguments did)."""
 
-from pallas_kernels import bench
+from qwen_jax.bench import kernels as bench
 
 
 def test_small_bench_runs_every_kernel_and_reports_no_failure(capsys):
