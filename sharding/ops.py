@@ -99,14 +99,14 @@ def head_parallel_delta_rule(cfg: ModelConfig, mesh: Mesh, delta_rule: Callable)
     return sharded
 
 
-def ops_for_mesh(cfg: ModelConfig, mesh: Mesh) -> Ops:
-    """A mesh's ops: ops_for(cfg.kernels) when one device holds the whole model; else that bundle as XLA's
+def ops_for_mesh(cfg: ModelConfig, mesh: Mesh, kernels: str) -> Ops:
+    """A mesh's ops: ops_for(kernels) when one device holds the whole model; else that bundle as XLA's
     partitioner runs it (layers/ops.py keeps the projections, norms and convs on XLA, which splits a dot by the
     weights' shardings but cannot split a Pallas call), with attention, the delta rule and the MoE's experts
     (sharding/moe.py) each split over the model axes here."""
     if model_parallel_size(mesh) == 1:
-        return ops_for(cfg.kernels)
-    ops = ops_for(cfg.kernels, partitioned=True)
+        return ops_for(kernels)
+    ops = ops_for(kernels, partitioned=True)
     return dataclasses.replace(ops, attention=head_parallel_attention(cfg, mesh, ops.attention),
                                delta_rule=head_parallel_delta_rule(cfg, mesh, ops.delta_rule),
                                moe=expert_parallel_moe(cfg, mesh, ops.experts) if cfg.moe_layers else ops.moe)

@@ -1,10 +1,11 @@
 """The hot ops of the layers as one bundle, and the ONE place that chooses between a kernel of pallas_kernels/ and
 its jnp reference here in qwen_jax/layers/: by backend and by shape. Layers receive their ops and never pick one.
 
-kernels="reference" gives the references everywhere. kernels="gpu" gives the kernels, except where one was measured
-no faster than XLA (the shape rules below: the one-row projection and norm kernels), where jax-triton is missing (the
-native Triton conv), or where the ops run under XLA's partitioner (`partitioned`: it cannot split a Pallas call;
-sharding/ops.py splits the others per device itself).
+kernels="reference" gives the references everywhere; "auto" is "gpu" on a GPU backend, "reference" elsewhere.
+kernels="gpu" gives the kernels, except where one was measured no faster than XLA (the shape rules below: the
+one-row projection and norm kernels), where jax-triton is missing (the native Triton conv), or where the ops run
+under XLA's partitioner (`partitioned`: it cannot split a Pallas call; sharding/ops.py splits the others per device
+itself).
 
 Each op has one contract, shared by its reference and its kernel; `batch` is the step's flat ragged batch
 (qwen_jax.layers.batch.Ragged) and T its token count:
@@ -33,11 +34,21 @@ import jax
 
 from pallas_kernels import gdn, moe_gemm, paged_attention, rms_norm, router, skinny_matmul
 from pallas_kernels.tiling import triton_available
-from qwen_jax.config import KERNELS
 from qwen_jax.layers.attention import paged_attention as attention_reference
 from qwen_jax.layers.gated_deltanet import causal_convs, delta_rule
 from qwen_jax.layers.mlp import dense, routed_experts_f32, sparse_moe
 from qwen_jax.layers.norms import rms_norm as norm_reference
+
+KERNELS = ("auto", "gpu", "reference")  # the engine's `kernels` argument
+
+
+def resolve_kernels(kernels: str) -> str:
+    """"gpu" or "reference": the choice `kernels` names, "auto" being "gpu" on a GPU backend."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "auto":
+        return "gpu" if jax.default_backend() == "gpu" else "reference"
+    return kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +116,10 @@ def conv_kernel(xs, caches, weights, batch):
 
 
 def ops_for(kernels: str, partitioned: bool = False) -> Ops:
-    """The one switch: "reference" (the jnp ops) or "gpu" (the kernels, by the rules in this module's docstring).
-    partitioned: the ops run under XLA's partitioner over a mesh's model axes, so dense, norm and conv stay XLA's."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels == "reference":
+    """The one switch: "reference" (the jnp ops), "gpu" (the kernels, by the rules in this module's docstring) or
+    "auto". partitioned: the ops run under XLA's partitioner over a mesh's model axes, so dense, norm and conv stay
+    XLA's."""
+    if resolve_kernels(kernels) == "reference":
         return Ops(attention=attention_reference, delta_rule=delta_rule, moe=sparse_moe, experts=routed_experts_f32,
                    dense=dense, norm=norm_reference, conv=causal_convs)
     dense_op = dense if partitioned else dense_kernel

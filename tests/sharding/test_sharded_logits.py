@@ -97,7 +97,6 @@ def _check_sharded_steps(reference, layout: str, kernels: str) -> tuple:
     """The steps' logits, decode collectives and weight bytes per device; returns the config it ran and the decode
     step's trace."""
     cfg, host_params, ref_logits = reference
-    cfg = cfg.with_kernels(kernels)
     m = collectives.mesh_for(layout)
     params = rules.put_tree(host_params, rules.param_shardings(cfg, m))
     cache = rules.init_cache(cfg, m, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
@@ -105,10 +104,12 @@ def _check_sharded_steps(reference, layout: str, kernels: str) -> tuple:
     for i, ((last_tokens, buffer, layout_), ref) in enumerate(zip(packed_steps(), ref_logits, strict=True)):
         last_tokens, buffer = jax.device_put((last_tokens, buffer), step.replicated(m))
         if i == 1:  # both decode steps have one layout: one program
-            decode = step.forward.trace(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
+            decode = step.forward.trace(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m,
+                                        kernels=kernels)
             program = decode.lower().compile()
         if i == 0:
-            logits, cache = step.forward(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
+            logits, cache = step.forward(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m,
+                                         kernels=kernels)
         else:
             logits, cache = program(params, cache, last_tokens, buffer)
         logits = np.asarray(logits)[:NUM_REAL]
