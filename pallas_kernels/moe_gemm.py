@@ -49,7 +49,7 @@ PALLAS_SORTED_MAX_PAIRS = 2048  # up to here 16-row blocks, above it 128 x 128 t
 
 
 def default_tiles(num_tokens: int, num_pairs: int, native: bool = False) -> dict:
-    """Layout and tiles by size, from the H200 sweeps of pallas_kernels/bench.py (BENCH_H200.md): the expert-major
+    """Layout and tiles by size, from the H200 sweeps of qwen_jax/bench/kernels.py: the expert-major
     Pallas kernels up to FEW_TOKENS tokens; above, the sorted layout, as native Triton kernels when `native`."""
     if num_tokens <= FEW_TOKENS:
         return dict(few_tokens=True, triton=False, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4,
@@ -262,7 +262,7 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
                       block_k: int = 64, num_warps: int = 4, num_stages: int = 4, split_k: int | None = None,
                       interpret: bool | None = None) -> jax.Array:
     """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
-    steadiest of two pallas_kernels/bench.py sweeps on an H200 at 1-64 tokens (BENCH_H200.md). split_k: slices of
+    steadiest of two qwen_jax/bench/kernels.py sweeps on an H200 at 1-64 tokens (BENCH_H200.md). split_k: slices of
     gate_up's contraction (None: split_contraction)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
