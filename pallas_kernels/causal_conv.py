@@ -19,7 +19,7 @@ Requests (`_request_kernel`): one program per (request, channel block), the cach
 
 The arithmetic and tiles (64 x 64 tokens x channels, 256 channels a request) are those measured on an H200 for the
 row layout (`python -m qwen_jax.bench.kernels --only causal_conv`: about 2 TB/s for long prefills, 2-4 us a decode
-step; BENCH_H200.md). On the CPU the tests run these kernels under Triton's interpreter; qwen_jax/layers/ops.py
+step). On the CPU the tests run these kernels under Triton's interpreter; qwen_jax/layers/ops.py
 takes the reference where jax-triton cannot run.
 """
 

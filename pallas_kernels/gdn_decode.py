@@ -45,7 +45,7 @@ def _kernel(start_ref, len_ref, slots_ref, fresh_ref, q_ref, k_ref, v_ref, a_ref
 
 def default_block_v(dv: int) -> int:
     """min(64, dv): in the 35B-A3B decode step on an H200, 64 columns took 74 us a layer at 64 rows (3.6 TB/s of state
-    traffic) against 84 us with 32, and 18.1 against 18.7 us at 16 rows (BENCH_H200.md)."""
+    traffic) against 84 us with 32, and 18.1 against 18.7 us at 16 rows)."""
     return min(64, dv)
 
 

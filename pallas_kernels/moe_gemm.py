@@ -37,9 +37,9 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.tiling import split_contraction, tile_size, triton_available
 
 # On a GPU the sorted layout runs as native Triton kernels (pallas_kernels/moe_triton.py), which beat this module's
-# Pallas-Triton kernels on an H200 at every sorted size: 13% at 128-256 tokens, 1.5x at 4,096 (266 vs 172 TFLOP/s)
-# and 16,384 (426 vs 286 TFLOP/s; BENCH_H200.md). The Pallas ones stay for the CPU (interpret mode, so CI runs the
-# engine's kernels) and where jax-triton is missing. Tiles by pairs (token x expert), from the same sweeps:
+# Pallas-Triton kernels on an H200 at every sorted size: 13% at 128-256 tokens, 1.5x at 4,096 (266 vs 172 TFLOP/s) and
+# 16,384 (426 vs 286 TFLOP/s; qwen_jax/bench/kernels.py). The Pallas ones stay for the CPU (interpret mode, so CI runs
+# the engine's kernels) and where jax-triton is missing. Tiles by pairs (token x expert), from the same sweeps:
 # (max pairs, block_m, block_n, block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages),
 # tail_m: the tile height of a block with at most that many live rows, moe_triton's short blocks; None: off).
 TRITON_TILES = [(2048, 16, 128, 64, 4, 3, (256, 64, 8, 3), None),  # memory-bound: a few rows per expert
@@ -262,7 +262,7 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
                       block_k: int = 64, num_warps: int = 4, num_stages: int = 4, split_k: int | None = None,
                       interpret: bool | None = None) -> jax.Array:
     """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
-    steadiest of two qwen_jax/bench/kernels.py sweeps on an H200 at 1-64 tokens (BENCH_H200.md). split_k: slices of
+    steadiest of two qwen_jax/bench/kernels.py sweeps on an H200 at 1-64 tokens. split_k: slices of
     gate_up's contraction (None: split_contraction)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape

@@ -6,8 +6,8 @@ moe_gemm.routed_experts picks these on a GPU with jax-triton (the `cuda` extra);
 they launch, since it refuses to import without a GPU. On the CPU the tests run the same kernels under Triton's
 interpreter (tests/kernels/test_moe_triton.py); scripts/check_moe_triton_gpu.py runs them natively.
 
-Why a second source for the sorted GEMMs: the Pallas-Triton version of the same blocks ran 1.13-1.74x slower on
-an H200 (172 against 266 TFLOP/s at 4,096 tokens, 286 against 426 at 16,384; BENCH_H200.md). Besides Triton's own
+Why a second source for the sorted GEMMs: the Pallas-Triton version of the same blocks ran 1.13-1.74x slower on an H200
+(172 against 266 TFLOP/s at 4,096 tokens, 286 against 426 at 16,384; qwen_jax/bench/kernels.py). Besides Triton's own
 code for the dot loop, each kernel here does what XLA did around the Pallas pair:
   1. gate_up gathers each row's token from x itself (no [rows, H] copy of x in HBM), then SwiGLU as moe_gemm;
   2. down multiplies by the routing weight with the reference's bf16 roundings and stores each row at its pair's

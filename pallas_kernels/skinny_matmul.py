@@ -2,16 +2,15 @@
 kernel: float32 accumulation, float32 out, the contract of the layers' `dense` op (qwen_jax.layers.mlp.dense, its jnp
 reference; qwen_jax/layers/ops.py decides at which shapes this kernel runs instead).
 
-Why: XLA rewrites a one-row dot into a reduction fusion, which streams an 8-16 MB projection weight at 0.7-1.5
-TB/s on an H200; from two rows on it emits a GEMM, as fast as this kernel except through a layer's 38-51 MB of
-projections. In a 35B-A3B decode step of one sequence those fusions took ~5 of the 8.4 ms of GPU time
-(BENCH_H200.md). The kernel streams the weight: each program takes a block of columns (and, where that leaves too
-few programs to keep every SM streaming, one slice of the contraction), runs the rows as one [16-64, K] tile through
-the tensor cores, and stores float32 partial sums [slices, M, N] that XLA adds up (a sum it fuses into whatever
-follows). Several weights of one x (a layer's q/k/v/z projections) run side by side as one launch: one 50 MB stream
-(17.5 us, 2.9 TB/s, on an H200 with each call on other weights, as in the model) instead of four 8-16 MB ones and
-four partial sums. Same Triton lowering as pallas_kernels/moe_gemm.py's few-token kernels, so the same source runs on
-the CPU in interpret mode.
+Why: XLA rewrites a one-row dot into a reduction fusion, which streams an 8-16 MB projection weight at 0.7-1.5 TB/s on
+an H200; from two rows on it emits a GEMM, as fast as this kernel except through a layer's 38-51 MB of projections. In a
+35B-A3B decode step of one sequence those fusions took ~5 of the 8.4 ms of GPU time (the step profiled on an H200).
+The kernel streams the weight: each program takes a block of columns (and, where that leaves too few programs to keep
+every SM streaming, one slice of the contraction), runs the rows as one [16-64, K] tile through the tensor cores, and
+stores float32 partial sums [slices, M, N] that XLA adds up (a sum it fuses into whatever follows). Several weights of
+one x (a layer's q/k/v/z projections) run side by side as one launch: one 50 MB stream (17.5 us, 2.9 TB/s, on an H200
+with each call on other weights, as in the model) instead of four 8-16 MB ones and four partial sums. Same Triton
+lowering as pallas_kernels/moe_gemm.py's few-token kernels, so the same source runs on the CPU in interpret mode.
 """
 
 from __future__ import annotations
@@ -80,10 +79,10 @@ def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, 
     and one stream of all the weights instead of one per weight (a layer's q/k/v/z projections: four 4-16 MB
     weights, each too small to reach full bandwidth alone). block_k shrinks to divide K, and each weight's column
     tile is block_n shrunk to divide its width (a 32-column weight is one block of 32: contiguous loads that Triton
-    pipelines; widths of 16 or more must be multiples of 16, one under 16 is one masked block of 16); split_k:
-    slices of the contraction (None: tiling.split_contraction over all the column blocks). Default tiles: the
-    fastest or tied at every 35B-A3B projection shape of one row (H200, BENCH_H200.md). interpret=None interprets on
-    CPU only."""
+    pipelines; widths of 16 or more must be multiples of 16, one under 16 is one masked block of 16); split_k: slices of
+    the contraction (None: tiling.split_contraction over all the column blocks). Default tiles: the fastest or tied at
+    every 35B-A3B projection shape of one row (H200, qwen_jax/bench/kernels.py). interpret=None interprets on CPU
+    only."""
     (num_rows, k), widths = x.shape, [w.shape[1] for w in ws]
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul: x has {num_rows} rows; the kernel takes 1 to {MAX_ROWS}")

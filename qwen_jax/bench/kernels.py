@@ -336,7 +336,7 @@ MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, shared_inter=32,
 # Expert-major few-token kernels, tried up to twice FEW_TOKENS: (block_n, block_k, num_warps, num_stages); the
 # first is the default.
 # Narrower column tiles (16-32: more programs at one token) and 128-deep k steps were slower at every size, also
-# with programs per pair (BENCH_H200.md).
+# with programs per pair.
 MOE_FEW_CONFIGS = [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4)]
 # Sorted blocks: (block_m, block_n, block_k, num_warps, num_stages), None: moe_gemm.default_tiles; below
 # MOE_SORTED_SWEEP tokens only the defaults run (for comparison with the few-token kernels).

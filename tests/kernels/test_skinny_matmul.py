@@ -55,7 +55,7 @@ def test_refuses_what_it_cannot_tile():
 @pytest.mark.parametrize("x_shape,w_shape,contract,kernel", [
     ((1, 1, 64), (64, 4, 16), 1, True),      # a decode step's q projection [B, S, H] x [H, heads, D]
     ((1, 1, 4, 16), (4, 16, 64), 2, True),   # its output projection [B, S, heads, D] x [heads, D, H]
-    ((2, 1, 64), (64, 4, 16), 1, False),     # two rows through small weights: XLA's GEMM is as fast (BENCH_H200.md)
+    ((2, 1, 64), (64, 4, 16), 1, False),     # two rows through small weights: XLA's GEMM is as fast on an H200
     ((1, 64), (64, 1), 1, False),            # one output column alone: narrow weights only join a launch
     ((1, 32), (32, 64), 1, False),           # K below MIN_K (here 64): XLA's reduction is as fast
 ])
