@@ -144,7 +144,7 @@ def layer_row(runner: ModelRunner, cfg, batch: int, context: int) -> dict:
     ragged_batch = jax.tree.map(jnp.asarray, ragged([context] * batch, [1] * batch, range(1, batch + 1), tables,
                                                     batch, batch, runner.table_width))
     x = jax.random.normal(jax.random.key(0), (batch, cfg.hidden_size), jnp.float32).astype(cfg.jnp_dtype)
-    inv, ops = jnp.asarray(cfg.rope_inv_freq()), ops_for(cfg.kernels)
+    inv, ops = jnp.asarray(cfg.rope_inv_freq()), ops_for(runner.kernels)
     row = {"layer_batch": batch}
     attn_i = cfg.attention_layers[0]
     f = jax.jit(lambda x, p, c, b: attention_layer(x, p, c, b, cfg, inv, ops.attention, ops.dense)[0])
@@ -192,7 +192,7 @@ def main(argv: Seq[str] | None = None) -> dict:
     ap.add_argument("--enable-expert-parallel", action="store_true", help="experts split over the devices (EP)")
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer-kind breakdown")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config).with_kernels(args.kernels)
+    cfg = load_config(args.config)
     batches, prefills = _ints(args.batches), _ints(args.prefill)
     mesh = make_mesh(args.tensor_parallel_size, 1, args.enable_expert_parallel)
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
@@ -202,7 +202,7 @@ def main(argv: Seq[str] | None = None) -> dict:
     blocks = max(max(batches, default=0) * blocks_for(args.context + 1, ahead), blocks_for(longest))
     sizes = engine_args(dict(max_num_seqs=max(batches, default=1), max_num_batched_tokens=max([*batches, *prefills]),
                              block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks,
-                             num_scheduler_steps=args.num_scheduler_steps))
+                             num_scheduler_steps=args.num_scheduler_steps, kernels=args.kernels))
     runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
               "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "prefill": [], "layers": [],

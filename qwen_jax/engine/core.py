@@ -23,6 +23,7 @@ from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
+from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 from qwen_jax.weights import dummy_params, load_params, open_checkpoint
@@ -114,8 +115,10 @@ class EngineCore:
         kernels = resolve_kernels(args["kernels"])
         log.info("hot ops: %s (kernels=%s)", "the GPU kernels of pallas_kernels/" if kernels == "gpu" else
                  "the jnp references", args["kernels"])
-        cfg = self.cfg = read_model_config(model_path, args["dtype"]).with_kernels(kernels)
-        ops_for_mesh(cfg, replica_meshes[0])  # a head layout the partitioned ops cannot split fails here, not mid-step
+        args["kernels"] = kernels  # what every replica compiles
+        cfg = self.cfg = read_model_config(model_path, args["dtype"])
+        # a head layout the partitioned ops cannot split fails here, not mid-step
+        ops_for_mesh(cfg, replica_meshes[0], kernels)
         self.eos_token_ids = eos_ids(model_path, cfg, load_tokenizer(model_path))
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
         t0 = time.perf_counter()
@@ -344,13 +347,6 @@ class EngineCore:
 def _host_output(runner, out: SampleOutput | None) -> list | None:
     """A step's sampled outputs as host data for a reply to host 0 (None for ops without a step)."""
     return None if out is None else list(runner.fetch(out))
-
-
-def resolve_kernels(kernels: str) -> str:
-    """The `kernels` engine argument as a ModelConfig's: "auto" is "gpu" on a GPU backend, "reference" elsewhere."""
-    if kernels == "auto":
-        return "gpu" if jax.default_backend() == "gpu" else "reference"
-    return kernels
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:

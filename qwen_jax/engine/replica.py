@@ -61,7 +61,8 @@ class Replica:
         self.runner = ModelRunner(cfg, params, self.num_blocks, self.block_size, self.max_num_seqs + 1,
                                   self.num_snapshots if self.prefix_cache else 0, max_model_len, self.max_num_seqs,
                                   self.max_num_batched_tokens, eos_token_ids, seed=seed, mesh=mesh,
-                                  decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS)
+                                  decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS,
+                                  kernels=args["kernels"])
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
     def _size_memory(self, args: dict) -> None:
