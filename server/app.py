@@ -18,19 +18,25 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from qwen_jax.llm import EngineDead
+from server.body_limit import BodyLimit
 from server.metrics import CONTENT_TYPE
+from server.openapi import openapi_document
 from server.protocol import (
     APIError,
-    ParsedRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_body,
-    parse_chat,
-    parse_completion,
-    parse_invocation,
+    ignored_fields,
     parse_json,
+    validate,
 )
 from server.serving import ClosingStream, ServerConfig, ServerState
 from server.serving_chat import ChatServing, chat_prompt_ids
 from server.serving_completion import CompletionServing
+from server.version import version
 
 log = logging.getLogger("qwen_jax.server")
 
@@ -42,12 +48,18 @@ def _json(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
                     content_type="application/json")
 
 
+def _error_json(body: dict, status: int, headers: dict | None = None) -> Response:
+    """An error body in ASCII JSON: whatever a message quotes from the request, it encodes."""
+    return Response(json.dumps(body), status=status, headers=headers or {}, content_type="application/json")
+
+
 def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
     """Build the app around an AsyncLLM-like engine. Serving it starts the engine (load + warm-up) in the
     background; /health answers 503 until that is done."""
     config = config or ServerConfig()
     app = Quart("qwen_jax_server")
     app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60)
+    app.asgi_app = BodyLimit(app.asgi_app, config.max_body_bytes)
     state = ServerState(engine, config)
     app.extensions["qwen_jax"] = state
     chat = ChatServing(state)
@@ -80,14 +92,14 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
         if config.api_key:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return _json(error_body("invalid or missing API key", "authentication_error", None,
-                                        "invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"})
+                return _error_json(error_body("invalid or missing API key", "authentication_error", None,
+                                              "invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"})
         if engine.error is not None:  # the core died: refused as the requests it was running were, not "loading"
             raise EngineDead(f"the engine core died: {engine.error}")
         if not state.ready():
-            return _json(error_body("the model is still loading" if state.start_error is None else
-                                    f"the model failed to load: {state.start_error}", "service_unavailable"),
-                         503, {"Retry-After": "5"})
+            return _error_json(error_body("the model is still loading" if state.start_error is None else
+                                          f"the model failed to load: {state.start_error}", "service_unavailable"),
+                               503, {"Retry-After": "5"})
         return None
 
     @app.after_request
@@ -98,7 +110,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
 
     @app.errorhandler(APIError)
     async def _api_error(exc: APIError) -> Response:
-        return _json(exc.body(), exc.status, exc.headers)
+        return _error_json(exc.body(), exc.status, exc.headers)
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
@@ -107,16 +119,16 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
         if status == 413:
             message = f"request body is larger than the limit of {config.max_body_bytes} bytes"
         kind = "invalid_request_error" if status < 500 else "server_error"
-        return _json(error_body(message, kind, None, exc.name.lower().replace(" ", "_")), status)
+        return _error_json(error_body(message, kind, None, exc.name.lower().replace(" ", "_")), status)
 
     @app.errorhandler(EngineDead)
     async def _engine_dead(exc: EngineDead) -> Response:
-        return _json(error_body(str(exc), "server_error"), 500)
+        return _error_json(error_body(str(exc), "server_error"), 500)
 
     @app.errorhandler(Exception)
     async def _internal(exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json(error_body(f"internal server error: {type(exc).__name__}", "server_error"), 500)
+        return _error_json(error_body(f"internal server error: {type(exc).__name__}", "server_error"), 500)
 
     # ---- plain routes ----
 
@@ -141,23 +153,35 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
     async def metrics() -> Response:
         return Response(state.metrics.render(), content_type=CONTENT_TYPE)
 
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return _json(openapi_document("qwen-jax OpenAI-compatible API", version()))
+
+    def typed(model: type, body: dict) -> Any:
+        """A decoded body as `model`, its unknown fields logged (once per field and route)."""
+        req = validate(model, body, state.vocab_size, config.max_logprobs)
+        state.note_ignored(request.path, ignored_fields(req))
+        return req
+
     @app.post("/tokenize")
     async def tokenize() -> Response:
         body = parse_json(await request.get_data())
-        if "messages" in body:
-            ids = chat_prompt_ids(state.tokenizer, parse_chat(body))
+        req = typed(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
+        if isinstance(req, TokenizeChatRequest):
+            ids = chat_prompt_ids(state.tokenizer, req)
+        elif isinstance(req.prompt, str):
+            ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
-            req = parse_completion(body)
-            if len(req.prompts) != 1:
-                raise APIError("/tokenize takes one prompt", param="prompt")
-            p = req.prompts[0]
-            ids = list(state.tokenizer.encode(p)) if isinstance(p, str) else list(p)
-        return _json({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+            ids = list(req.prompt)
+        result: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        if req.return_token_strs:
+            result["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        return _json(result)
 
     # ---- generation ----
 
-    async def generate(req: ParsedRequest) -> Response:
-        result = await (chat if req.kind == "chat" else completion).generate(req)
+    async def generate(req: GenerationRequest) -> Response:
+        result = await (chat if isinstance(req, ChatCompletionRequest) else completion).generate(req)
         if isinstance(result, ClosingStream):
             return Response(result, content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -165,14 +189,23 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await generate(parse_chat(parse_json(await request.get_data())))
+        return await generate(typed(ChatCompletionRequest, parse_json(await request.get_data())))
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await generate(parse_completion(parse_json(await request.get_data())))
+        return await generate(typed(CompletionRequest, parse_json(await request.get_data())))
 
     @app.post("/invocations")
     async def invocations() -> Response:
-        return await generate(parse_invocation(parse_json(await request.get_data())))
+        """A chat body (has `messages`) or a completion body (has `prompt`)."""
+        body = parse_json(await request.get_data())
+        if "messages" in body:
+            model: type = ChatCompletionRequest
+        elif "prompt" in body:
+            model = CompletionRequest
+        else:
+            raise APIError("an /invocations body needs 'messages' (chat) or 'prompt' (completion)",
+                           param="messages")
+        return await generate(typed(model, body))
 
     return app

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,7 +20,9 @@ from qwen_jax.llm import EngineDead
 from qwen_jax.outputs import RequestOutput, TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 from server.metrics import ServerMetrics
-from server.protocol import APIError, ParsedRequest, error_body
+from server.protocol import APIError, GenerationRequest, error_body
+
+log = logging.getLogger("qwen_jax.server")
 
 
 @dataclasses.dataclass
@@ -29,6 +32,7 @@ class ServerConfig:
     max_num_seqs: int = 64  # the engine's batch (all replicas); admission allows this many running plus the queue
     max_queue_len: int = 1024  # engine requests allowed to wait beyond max_num_seqs; more get 503
     max_body_bytes: int = 4 * 1024 * 1024
+    max_logprobs: int = 20  # the most logprobs per token a request may ask for (the sampler's limit)
 
 
 class ServerState:
@@ -44,12 +48,27 @@ class ServerState:
         self.start_task: asyncio.Task | None = None
         self.metrics = ServerMetrics(engine.stats, lambda: self.in_flight)
         self.token_texts = TokenTexts(engine.tokenizer)
+        self.vocab_size = engine.config.vocab_size  # every token id a request sends is checked against it
+        self._ignored: set[tuple[str, str]] = set()
 
     def ready(self) -> bool:
         return self.start_error is None and bool(self.engine.is_ready())
 
+    def note_ignored(self, route: str, fields: list[str]) -> None:
+        """Log the unknown fields of a request the first time each is seen on a route: they are accepted (clients
+        send many) and change nothing."""
+        new = [f for f in fields if (route, f) not in self._ignored]
+        if new:
+            self._ignored.update((route, f) for f in new)
+            log.info("ignoring unknown request field(s) on %s: %s", route, ", ".join(sorted(new)))
+
     def admit(self, count: int) -> None:
+        """Count `count` engine requests in, or refuse: 400 when the server could never hold them at once, 503 (retry
+        later) when it is too busy now."""
         capacity = self.config.max_num_seqs + self.config.max_queue_len
+        if count > capacity:
+            raise APIError(f"the request needs {count} sequences (prompts x choices), more than the server runs and "
+                           f"queues at once ({capacity})", param="n")
         if self.in_flight + count > capacity:
             raise APIError(f"the server is at capacity ({self.in_flight} requests in flight, queue limit "
                            f"{self.config.max_queue_len}); retry later", status=503, type="service_unavailable",
@@ -204,8 +223,8 @@ class ChoiceWriter:
         return None
 
     def piece(self, out: RequestOutput, logprobs: list[TokenLogprob] | None) -> dict:
-        """The fields of the stream chunk for this output's new tokens (`logprobs`: theirs, when asked for); all
-        values empty when there is nothing new to send."""
+        """The fields of the stream chunk for this output's new tokens (`logprobs`: theirs, when the request shows
+        logprobs); all values empty when there is nothing new to send."""
         raise NotImplementedError
 
     def whole(self, out: RequestOutput) -> dict:
@@ -225,29 +244,38 @@ class Serving:
     def __init__(self, state: ServerState):
         self.state = state
 
-    def prompts(self, req: ParsedRequest) -> list[Prompt]:
+    def prompts(self, req: GenerationRequest) -> list[Prompt]:
         raise NotImplementedError
 
-    def writer(self, req: ParsedRequest, job: Job, prompt: Prompt) -> ChoiceWriter:
+    def writer(self, req: GenerationRequest, prompt: Prompt) -> ChoiceWriter:
         raise NotImplementedError
 
-    def jobs(self, req: ParsedRequest, prompts: list[Prompt]) -> list[Job]:
-        """One engine job per (prompt, choice), with max_tokens checked against, or filled from, the context left."""
+    def jobs(self, req: GenerationRequest, prompts: list[Prompt]) -> list[Job]:
+        """One engine job per (prompt, candidate), with max_tokens checked against, or filled from, the context left;
+        prompts longer than truncate_prompt_tokens lose their beginning first."""
         max_len = self.state.engine.max_model_len
         what = self.prompt_param
         base = uuid.uuid4().hex
+        given = req.max_tokens_given
         jobs = []
         for pi, prompt in enumerate(prompts):
+            if req.truncate_prompt_tokens is not None and len(prompt.token_ids) > req.truncate_prompt_tokens:
+                prompt.token_ids = prompt.token_ids[-req.truncate_prompt_tokens:]
+                if prompt.text:  # echo repeats what the model was given
+                    prompt.text = self.state.tokenizer.decode(prompt.token_ids)
             ids = prompt.token_ids
             if not ids:
                 raise APIError(f"the {what} is empty after tokenization", param=what)
-            params = req.params
-            if req.max_tokens_given:
-                if len(ids) + params.max_tokens > max_len:
+            try:
+                params = req.sampling_params()
+            except ValueError as exc:  # SamplingParams' own checks (the protocol's bounds are tighter)
+                raise APIError(str(exc)) from None
+            if given is not None:
+                if len(ids) + given > max_len:
                     raise APIError(f"This model's maximum context length is {max_len} tokens. However, you "
-                                   f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the {what}, "
-                                   f"{params.max_tokens} in the completion). Please reduce the length of the {what} "
-                                   "or completion.", param=what, code="context_length_exceeded")
+                                   f"requested {len(ids) + given} tokens ({len(ids)} in the {what}, {given} in the "
+                                   f"completion). Please reduce the length of the {what} or completion.", param=what,
+                                   code="context_length_exceeded")
             else:
                 room = max_len - len(ids)
                 if room < max(1, params.min_tokens):
@@ -255,15 +283,15 @@ class Serving:
                                    f"has {len(ids)} tokens, which leaves no room for the completion.", param=what,
                                    code="context_length_exceeded")
                 params = dataclasses.replace(params, max_tokens=room)
-            for j in range(req.n):
+            for j in range(req.candidates):
                 choice = params
-                if params.seed is not None and req.n > 1:
+                if params.seed is not None and req.candidates > 1:
                     choice = dataclasses.replace(params, seed=params.seed + j)
-                jobs.append(Job(index=pi * req.n + j, prompt_index=pi, prompt_ids=ids, params=choice,
+                jobs.append(Job(index=pi * req.candidates + j, prompt_index=pi, prompt_ids=ids, params=choice,
                                 request_id=f"{self.id_prefix}-{base}-{pi}-{j}"))
         return jobs
 
-    async def generate(self, req: ParsedRequest) -> dict | ClosingStream:
+    async def generate(self, req: GenerationRequest) -> dict | ClosingStream:
         """The response body, or the SSE stream when the request asks for one."""
         prompts = self.prompts(req)
         jobs = self.jobs(req, prompts)
@@ -278,8 +306,8 @@ class Serving:
             await fanout.aclose()
             raise
         rid = jobs[0].request_id.rsplit("-", 2)[0]
-        writers = {job.index: self.writer(req, job, prompts[job.prompt_index]) for job in jobs}
         if req.stream:
+            writers = {job.index: self.writer(req, prompts[job.prompt_index]) for job in jobs}
             return ClosingStream(self._stream(req, rid, prompts, jobs, writers, fanout, first), fanout.aclose)
         finals: dict[int, RequestOutput] = {}
         try:
@@ -293,14 +321,27 @@ class Serving:
         finally:
             await fanout.aclose()
         choices = []
-        for job in jobs:
+        for index, job in enumerate(self._best(req, jobs, finals)):
             out = finals[job.index]
-            choices.append({"index": job.index, **writers[job.index].whole(out), "finish_reason": out.finish_reason,
-                            "stop_reason": out.stop_reason})
+            choices.append({"index": index, **self.writer(req, prompts[job.prompt_index]).whole(out),
+                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         return {"id": rid, "object": self.object_name, "created": int(time.time()), "model": self.state.model_name,
                 "choices": choices, "usage": usage(prompts, jobs, finals)}
 
-    async def _stream(self, req: ParsedRequest, rid: str, prompts: list[Prompt], jobs: list[Job],
+    @staticmethod
+    def _best(req: GenerationRequest, jobs: list[Job], finals: dict[int, RequestOutput]) -> list[Job]:
+        """Each prompt's n returned choices, in order: with best_of candidates, the n of the highest cumulative
+        logprob (as vLLM chooses them)."""
+        if req.candidates == req.n:
+            return jobs
+        chosen = []
+        for pi in range(len(jobs) // req.candidates):
+            own = [job for job in jobs if job.prompt_index == pi]
+            own.sort(key=lambda job: -sum(lp.logprob for lp in finals[job.index].logprobs or []))
+            chosen += own[:req.n]
+        return chosen
+
+    async def _stream(self, req: GenerationRequest, rid: str, prompts: list[Prompt], jobs: list[Job],
                       writers: dict[int, ChoiceWriter], fanout: ChoiceFanout, first: tuple | None
                       ) -> AsyncIterator[str]:
         head = {"id": rid, "object": self.chunk_object_name, "created": int(time.time()),
@@ -318,7 +359,7 @@ class Serving:
                 job, out = item
                 finals[job.index] = out
                 logprobs = None
-                if job.params.logprobs is not None and out.delta_token_ids:
+                if req.requested_logprobs is not None and out.delta_token_ids:
                     logprobs = new_logprobs(out, sent_tokens[job.index])
                 sent_tokens[job.index] = len(out.token_ids)
                 fields = writers[job.index].piece(out, logprobs)

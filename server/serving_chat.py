@@ -9,30 +9,29 @@ from __future__ import annotations
 from typing import Any
 
 from qwen_jax.outputs import RequestOutput, TokenLogprob
-from server.protocol import APIError, ParsedRequest
+from server.protocol import APIError, ChatCompletionRequest, _ChatPrompt
 from server.reasoning import ReasoningSplitter
-from server.serving import ChoiceWriter, Job, Prompt, Serving, TokenTexts
+from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts
 
 
-def render_chat(tokenizer: Any, messages: list[dict], enable_thinking: bool = False) -> str:
-    """The prompt text for `messages`, ending with the assistant generation prompt (with an empty, closed think
-    block when thinking is off, an open one when it is on)."""
+def render_chat(tokenizer: Any, req: _ChatPrompt) -> str:
+    """The prompt text of a conversation: by default ending with the assistant generation prompt (with an empty,
+    closed think block when thinking is off, an open one when it is on). The request's chat_template_kwargs, unknown
+    ones included, reach the template as variables."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=enable_thinking)
+        return tokenizer.apply_chat_template(req.template_messages(), tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
+                                             **req.template_kwargs())
     except Exception as exc:  # jinja raise_exception(...) and template errors: the messages do not fit it
         raise APIError(f"the chat template rejected the messages: {str(exc)[:300]}", param="messages") from None
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of an already rendered prompt (special tokens in the text are parsed; nothing is added)."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def chat_prompt_ids(tokenizer: Any, req: ParsedRequest) -> list[int]:
-    return encode_prompt(tokenizer, render_chat(tokenizer, req.messages, req.enable_thinking))
+def chat_prompt_ids(tokenizer: Any, req: _ChatPrompt) -> list[int]:
+    """The token ids of the rendered conversation (special tokens in the text are parsed)."""
+    return list(tokenizer.encode(render_chat(tokenizer, req), add_special_tokens=req.add_special_tokens))
 
 
 def chat_logprobs(token_texts: TokenTexts, items: list[TokenLogprob]) -> dict:
@@ -48,15 +47,16 @@ def chat_logprobs(token_texts: TokenTexts, items: list[TokenLogprob]) -> dict:
 
 
 class ChatChoice(ChoiceWriter):
-    def __init__(self, token_texts: TokenTexts, job: Job, thinking: bool):
+    def __init__(self, token_texts: TokenTexts, req: ChatCompletionRequest):
         self.token_texts = token_texts
-        self.job = job
-        self.thinking = thinking
-        self.splitter = ReasoningSplitter(thinking)
+        self.show_logprobs = req.requested_logprobs is not None
+        self.thinking = req.enable_thinking
+        self.echo = req.echo_text
+        self.splitter = ReasoningSplitter(self.thinking)
 
     def opening(self) -> dict:
-        """The role comes first, once per choice."""
-        return {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        """The role comes first, once per choice (with the echoed message, if any)."""
+        return {"delta": {"role": "assistant", "content": self.echo}, "logprobs": None}
 
     def piece(self, out: RequestOutput, logprobs: list[TokenLogprob] | None) -> dict:
         reasoning, content = self.splitter.feed(out.delta_text)
@@ -75,12 +75,10 @@ class ChatChoice(ChoiceWriter):
         split = ReasoningSplitter(self.thinking)
         reasoning, content = split.feed(out.text)
         r2, c2 = split.flush()
-        message: dict[str, Any] = {"role": "assistant", "content": content + c2}
+        message: dict[str, Any] = {"role": "assistant", "content": self.echo + content + c2}
         if self.thinking:
             message["reasoning_content"] = reasoning + r2
-        logprobs = None
-        if self.job.params.logprobs is not None:
-            logprobs = chat_logprobs(self.token_texts, out.logprobs or [])
+        logprobs = chat_logprobs(self.token_texts, out.logprobs or []) if self.show_logprobs else None
         return {"message": message, "logprobs": logprobs}
 
 
@@ -90,8 +88,8 @@ class ChatServing(Serving):
     id_prefix = "chatcmpl"
     prompt_param = "messages"
 
-    def prompts(self, req: ParsedRequest) -> list[Prompt]:
+    def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
         return [Prompt(chat_prompt_ids(self.state.tokenizer, req), "")]
 
-    def writer(self, req: ParsedRequest, job: Job, prompt: Prompt) -> ChoiceWriter:
-        return ChatChoice(self.state.token_texts, job, req.enable_thinking)
+    def writer(self, req: ChatCompletionRequest, prompt: Prompt) -> ChoiceWriter:
+        return ChatChoice(self.state.token_texts, req)

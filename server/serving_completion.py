@@ -7,8 +7,8 @@ Builds prompts and choice fields only; the engine requests and the stream are se
 from __future__ import annotations
 
 from qwen_jax.outputs import RequestOutput, TokenLogprob
-from server.protocol import APIError, ParsedRequest
-from server.serving import ChoiceWriter, Job, Prompt, Serving, TokenTexts
+from server.protocol import CompletionRequest
+from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts
 
 
 def completion_logprobs(token_texts: TokenTexts, items: list[TokenLogprob], offset: int) -> dict:
@@ -26,9 +26,9 @@ def completion_logprobs(token_texts: TokenTexts, items: list[TokenLogprob], offs
 
 
 class CompletionChoice(ChoiceWriter):
-    def __init__(self, token_texts: TokenTexts, job: Job, echo: str):
+    def __init__(self, token_texts: TokenTexts, req: CompletionRequest, echo: str):
         self.token_texts = token_texts
-        self.job = job
+        self.show_logprobs = req.requested_logprobs is not None
         self.echo = echo  # the prompt text repeated before the completion ("" without echo)
         self.echoed = False
         self.offset = 0  # characters of this choice's text streamed so far
@@ -38,15 +38,16 @@ class CompletionChoice(ChoiceWriter):
         if not self.echoed:
             self.echoed = True
             text = self.echo + text
+            self.offset = len(self.echo)
         formatted = None
         if logprobs is not None:
             formatted = completion_logprobs(self.token_texts, logprobs, self.offset)
-        self.offset += len(text)
+        self.offset += len(out.delta_text)
         return {"text": text, "logprobs": formatted}
 
     def whole(self, out: RequestOutput) -> dict:
         logprobs = None
-        if self.job.params.logprobs is not None:
+        if self.show_logprobs:
             logprobs = completion_logprobs(self.token_texts, out.logprobs or [], len(self.echo))
         return {"text": self.echo + out.text, "logprobs": logprobs}
 
@@ -57,19 +58,15 @@ class CompletionServing(Serving):
     id_prefix = "cmpl"
     prompt_param = "prompt"
 
-    def prompts(self, req: ParsedRequest) -> list[Prompt]:
+    def prompts(self, req: CompletionRequest) -> list[Prompt]:
         tok = self.state.tokenizer
         prompts = []
-        vocab = len(tok)
         for p in req.prompts:
             if isinstance(p, str):
-                prompts.append(Prompt(list(tok.encode(p)), p))
-                continue
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise APIError(f"prompt token id {bad[0]} is out of range [0, {vocab})", param="prompt")
-            prompts.append(Prompt(list(p), tok.decode(p) if req.echo else ""))
+                prompts.append(Prompt(list(tok.encode(p, add_special_tokens=req.add_special_tokens)), p))
+            else:
+                prompts.append(Prompt(list(p), tok.decode(p) if req.echo else ""))
         return prompts
 
-    def writer(self, req: ParsedRequest, job: Job, prompt: Prompt) -> ChoiceWriter:
-        return CompletionChoice(self.state.token_texts, job, prompt.text if req.echo else "")
+    def writer(self, req: CompletionRequest, prompt: Prompt) -> ChoiceWriter:
+        return CompletionChoice(self.state.token_texts, req, prompt.text if req.echo else "")
