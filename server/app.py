@@ -33,7 +33,7 @@ from server.protocol import (
     parse_json,
     validate,
 )
-from server.serving import ClosingStream, ServerConfig, ServerState
+from server.serving import ClosingStream, ServerConfig, ServerState, ShuttingDown
 from server.serving_chat import ChatServing, chat_prompt_ids
 from server.serving_completion import CompletionServing
 from server.version import version
@@ -96,6 +96,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
                                               "invalid_api_key"), 401, {"WWW-Authenticate": "Bearer"})
         if engine.error is not None:  # the core died: refused as the requests it was running were, not "loading"
             raise EngineDead(f"the engine core died: {engine.error}")
+        if state.draining:
+            raise ShuttingDown("the server is shutting down; send the request to another replica")
         if not state.ready():
             return _error_json(error_body("the model is still loading" if state.start_error is None else
                                           f"the model failed to load: {state.start_error}", "service_unavailable"),
@@ -133,6 +135,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
     # ---- plain routes ----
 
     async def health() -> Response:
+        if state.draining:
+            return _json({"status": "shutting down"}, 503)
         if state.ready():
             return _json({"status": "ok"})
         if engine.error is not None:  # the engine core died: this process is about to exit non-zero

@@ -24,6 +24,9 @@ from server.protocol import APIError, GenerationRequest, error_body
 
 log = logging.getLogger("qwen_jax.server")
 
+# How long a shutdown waits for the requests it ended to have their answers written.
+WRITE_SECONDS = 5.0
+
 
 @dataclasses.dataclass
 class ServerConfig:
@@ -50,6 +53,8 @@ class ServerState:
         self.token_texts = TokenTexts(engine.tokenizer)
         self.vocab_size = engine.config.vocab_size  # every token id a request sends is checked against it
         self._ignored: set[tuple[str, str]] = set()
+        self.draining = False  # set by drain(): nothing new is admitted
+        self.active: set[ChoiceFanout] = set()  # the requests whose engine work is not closed yet
 
     def ready(self) -> bool:
         return self.start_error is None and bool(self.engine.is_ready())
@@ -65,6 +70,8 @@ class ServerState:
     def admit(self, count: int) -> None:
         """Count `count` engine requests in, or refuse: 400 when the server could never hold them at once, 503 (retry
         later) when it is too busy now."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; send the request to another replica")
         capacity = self.config.max_num_seqs + self.config.max_queue_len
         if count > capacity:
             raise APIError(f"the request needs {count} sequences (prompts x choices), more than the server runs and "
@@ -74,6 +81,37 @@ class ServerState:
                            f"{self.config.max_queue_len}); retry later", status=503, type="service_unavailable",
                            code="queue_full", headers={"Retry-After": "1"})
         self.in_flight += count
+
+
+    async def drain(self, graceful_timeout: float, hurry: asyncio.Event) -> None:
+        """Shut down cleanly: admit nothing more; answer the requests that have no token yet 503; give the running
+        ones until `graceful_timeout` (or `hurry`) to finish, then end each one (a 503 error body, or an SSE error
+        event then [DONE]); return once every answer is written (or a few seconds later)."""
+        self.draining = True
+        waiting = [f for f in self.active if not f.started]
+        for fanout in waiting:
+            fanout.stop(ShuttingDown("the server is shutting down before this request started; retry it on "
+                                     "another replica"))
+        log.info("shutting down: %d request(s) not started refused; waiting up to %g s for %d running",
+                 len(waiting), graceful_timeout, len(self.active) - len(waiting))
+        deadline = time.monotonic() + graceful_timeout
+        while self.active and time.monotonic() < deadline and not hurry.is_set():
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.info("shutting down: ending %d request(s) still running", len(self.active))
+        for fanout in list(self.active):
+            fanout.stop(ShuttingDown(f"the server shut down before this request finished (graceful timeout "
+                                     f"{graceful_timeout:g} s)"))
+        deadline = time.monotonic() + WRITE_SECONDS
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+
+class ShuttingDown(APIError):
+    """A request the server refuses or ends because it is shutting down (503: retry elsewhere)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=503, type="service_unavailable", code="shutting_down")
 
 
 class TokenTexts:
@@ -139,14 +177,18 @@ class Job:
 
 
 class ChoiceFanout:
-    """Runs one engine request per job concurrently and merges their outputs in arrival order."""
+    """Runs one engine request per job concurrently and merges their outputs in arrival order. Listed in the
+    state's `active` from its start until aclose()."""
 
     def __init__(self, state: ServerState, jobs: list[Job]):
         self.state = state
         self.jobs = jobs
         self.queue: asyncio.Queue = asyncio.Queue()
         self.remaining = len(jobs)
+        self.started = False  # an output came (the engine runs it): a shutdown lets it finish
+        self.stopped: APIError | None = None
         self.tasks = [asyncio.create_task(self._pump(job)) for job in jobs]
+        state.active.add(self)
 
     async def _pump(self, job: Job) -> None:
         start, first, last = time.monotonic(), None, None
@@ -170,19 +212,30 @@ class ChoiceFanout:
             self.queue.put_nowait((job, None))
 
     async def next(self) -> tuple[Job, RequestOutput] | None:
-        """The next output of any choice; None once all are done. Re-raises an engine exception."""
+        """The next output of any choice; None once all are done. Re-raises an engine exception, and the error of
+        stop()."""
         while self.remaining:
+            if self.stopped is not None:
+                raise self.stopped
             job, item = await self.queue.get()
             if item is None:
                 self.remaining -= 1
                 continue
             if isinstance(item, Exception):
                 raise item
+            self.started = True
             return job, item
         return None
 
+    def stop(self, error: APIError) -> None:
+        """End the request: its reader gets `error` from next() (then closes it, which aborts the engine work)."""
+        self.stopped = error
+        self.queue.put_nowait((None, None))  # wakes a reader waiting in next()
+        self.remaining += 1  # for that wake-up item, which counts as no choice
+
     async def aclose(self) -> None:
         """Cancel whatever still runs (the engine aborts those requests) and wait until it has."""
+        self.state.active.discard(self)
         live = [t for t in self.tasks if not t.done()]
         for task in live:
             task.cancel()
@@ -374,6 +427,8 @@ class Serving:
             yield sse(error_body(str(exc)))
         except EngineDead as exc:  # the stream still ends well-formed: an error event, then [DONE]
             yield sse(error_body(str(exc), "server_error"))
+        except APIError as exc:  # the server is shutting down
+            yield sse(exc.body())
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompts, jobs, finals)})
         yield "data: [DONE]\n\n"
