@@ -14,14 +14,15 @@ from server.reasoning import ReasoningSplitter
 from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts
 
 
-def render_chat(tokenizer: Any, req: _ChatPrompt) -> str:
-    """The prompt text of a conversation: by default ending with the assistant generation prompt (with an empty,
-    closed think block when thinking is off, an open one when it is on). The request's chat_template_kwargs, unknown
-    ones included, reach the template as variables."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions", param="messages")
+def render_chat(tokenizer: Any, req: _ChatPrompt, template: str | None = None) -> str:
+    """The prompt text of a conversation, by `template` (None: the tokenizer's): by default ending with the assistant
+    generation prompt (with an empty, closed think block when thinking is off, an open one when it is on). The
+    request's chat_template_kwargs, unknown ones included, reach the template as variables."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template (--chat-template gives one); use /v1/completions",
+                       param="messages")
     try:
-        return tokenizer.apply_chat_template(req.template_messages(), tokenize=False,
+        return tokenizer.apply_chat_template(req.template_messages(), chat_template=template, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message,
                                              **req.template_kwargs())
@@ -29,9 +30,9 @@ def render_chat(tokenizer: Any, req: _ChatPrompt) -> str:
         raise APIError(f"the chat template rejected the messages: {str(exc)[:300]}", param="messages") from None
 
 
-def chat_prompt_ids(tokenizer: Any, req: _ChatPrompt) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, req: _ChatPrompt, template: str | None = None) -> list[int]:
     """The token ids of the rendered conversation (special tokens in the text are parsed)."""
-    return list(tokenizer.encode(render_chat(tokenizer, req), add_special_tokens=req.add_special_tokens))
+    return list(tokenizer.encode(render_chat(tokenizer, req, template), add_special_tokens=req.add_special_tokens))
 
 
 def chat_logprobs(token_texts: TokenTexts, items: list[TokenLogprob]) -> dict:
@@ -89,7 +90,7 @@ class ChatServing(Serving):
     prompt_param = "messages"
 
     def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
-        return [Prompt(chat_prompt_ids(self.state.tokenizer, req), "")]
+        return [Prompt(chat_prompt_ids(self.state.tokenizer, req, self.state.config.chat_template), "")]
 
     def writer(self, req: ChatCompletionRequest, prompt: Prompt) -> ChoiceWriter:
         return ChatChoice(self.state.token_texts, req)
