@@ -41,7 +41,8 @@ class ServerConfig:
 
 
 class ServerState:
-    """The engine handle, its readiness, the admission counter and the metrics, shared by every route."""
+    """The engine handle, its readiness, admission (and its end, drain), the metrics and the token texts, shared by
+    every route."""
 
     def __init__(self, engine: Any, config: ServerConfig):
         self.engine = engine
@@ -83,7 +84,6 @@ class ServerState:
                            f"{self.config.max_queue_len}); retry later", status=503, type="service_unavailable",
                            code="queue_full", headers={"Retry-After": "1"})
         self.in_flight += count
-
 
     async def drain(self, graceful_timeout: float, hurry: asyncio.Event) -> None:
         """Shut down cleanly: admit nothing more; answer the requests that have no token yet 503; give the running
