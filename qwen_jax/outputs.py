@@ -31,3 +31,4 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    queue_seconds: float | None = None  # how long it waited in the engine's queue before it first ran

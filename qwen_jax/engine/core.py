@@ -45,6 +45,7 @@ ENGINE_ARGS = dict(
     enable_expert_parallel=False,
     load_format="auto",  # "auto": read the checkpoint; "dummy": random weights with the real shapes
     dtype="auto",
+    tokenizer=None,  # a tokenizer directory (or hub id in the local cache) other than the model's
     kernels="auto",  # "gpu": the kernels of pallas_kernels/ for the ops that have one; "reference": the jnp ops;
     # "auto": the kernels on a GPU, the references elsewhere
     seed=0,
@@ -86,6 +87,7 @@ class CoreOutput:
     eos: bool = False  # the last new token is an EOS that ended the request: it is not part of the text
     num_cached_tokens: int = 0
     error: str | None = None  # finish_reason "error": what went wrong with this request alone
+    queue_seconds: float | None = None  # how long it waited to be first scheduled
 
 
 @dataclasses.dataclass
@@ -119,7 +121,7 @@ class EngineCore:
         cfg = self.cfg = read_model_config(model_path, args["dtype"])
         # a head layout the partitioned ops cannot split fails here, not mid-step
         ops_for_mesh(cfg, replica_meshes[0], kernels)
-        self.eos_token_ids = eos_ids(model_path, cfg, load_tokenizer(model_path))
+        self.eos_token_ids = eos_ids(model_path, cfg, load_tokenizer(args["tokenizer"] or model_path))
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
         t0 = time.perf_counter()
         replica_params = self._load_params(args, replica_meshes)
@@ -285,7 +287,7 @@ class EngineCore:
         params, token = seq.params, seq.output_token_ids[-1]
         enough = len(seq.output_token_ids) >= params.min_tokens
         eos = token in self.eos_token_ids and not params.ignore_eos and enough
-        out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens)
+        out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens, queue_seconds=seq.queue_seconds)
         if eos or (token in params.stop_token_ids and enough):
             out.finish_reason, out.stop_reason, out.eos = "stop", token, eos
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
