@@ -83,6 +83,7 @@ class CoreOutput:
     eos: bool = False  # the last new token is an EOS that ended the request: it is not part of the text
     num_cached_tokens: int = 0
     error: str | None = None  # finish_reason "error": what went wrong with this request alone
+    rejected: bool = False  # the error is the request's own (refused on arrival), not a failure while it ran
 
 
 @dataclasses.dataclass
@@ -223,19 +224,22 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """Plan and issue the next step of every replica that has work, then read back the step issued before it
         and apply its tokens: the device always has the next step queued while the host works on the last one.
-        A request that ends at step N has one more token computed in step N+1, which is dropped."""
+        A request that ends at step N has one more token computed in step N+1, which is dropped. Anything that
+        raises while one request's share of a step is built or applied fails that request alone (`_fail`)."""
         start = time.perf_counter()
-        issued = []
+        issued, outputs = [], []
         for replica in self.replicas:
             plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running))
-            if not plan.empty:
-                ops = replica.runner.prepare(plan.rows)
+            if plan.empty:
+                continue
+            rows, ops, failed = self._prepare(replica, plan.rows)
+            outputs += failed
+            if rows:
                 dispatch = time.perf_counter()
                 out = replica.runner.executor(ops)
                 self.dispatch_seconds += time.perf_counter() - dispatch
-                issued.append(_InFlight(replica, plan.rows, out))
+                issued.append(_InFlight(replica, rows, out))
         self.plan_seconds += time.perf_counter() - start
-        outputs = []
         for step in self._in_flight:
             outputs += self._apply(step)
         self._in_flight = issued
@@ -243,6 +247,29 @@ class EngineCore:
             self.num_steps += 1
             self.step_seconds += time.perf_counter() - start
         return outputs
+
+    def _prepare(self, replica: Replica, rows: list[Row]) -> tuple[list[Row], list | None, list[CoreOutput]]:
+        """A planned step's ops; when building them raises, the requests whose rows fail alone are failed and the
+        step is built without them: (the rows issued, their ops, the failed requests' outputs). A failure that no
+        single row explains is the engine's and propagates."""
+        try:
+            return rows, replica.runner.prepare(rows), []
+        except Exception:
+            culprits = replica.runner.failing_rows(rows)
+            if not culprits:
+                raise
+        failed = [self._fail(replica, row.seq, exc) for row, exc in culprits]
+        rows = [row for row in rows if row.seq.request_id not in {out.request_id for out in failed}]
+        return rows, replica.runner.prepare(rows) if rows else None, failed
+
+    def _fail(self, replica: Replica, seq: Sequence, exc: Exception) -> CoreOutput:
+        """End one request because handling it raised: its client gets the error, every other request goes on."""
+        log.error("request %s failed in the engine core", seq.request_id, exc_info=exc)
+        if self.seqs.pop(seq.request_id, None) is not None:
+            self._replica_of.pop(seq.request_id)
+            replica.finish(seq, "error")
+        return CoreOutput(seq.request_id, [], finish_reason="error", num_cached_tokens=seq.num_cached_tokens,
+                          error=f"the engine failed on this request: {type(exc).__name__}: {exc}")
 
     def _apply(self, step: _InFlight) -> list[CoreOutput]:
         host = step.replica.runner.fetch(step.out)
@@ -252,27 +279,37 @@ class EngineCore:
         for i, row in enumerate(step.rows):
             if not row.samples:
                 continue
-            seq = row.seq
-            seq.num_pending -= row.steps
-            tokens, logprobs = [], [] if seq.params.logprobs is not None else None
-            out = None
-            for j in range(row.steps):
-                if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
-                    break
-                token = int(host.tokens[j, i])
-                seq.output_token_ids.append(token)
-                self.generation_tokens_total += 1
-                tokens.append(token)
-                if logprobs is not None:
-                    n = seq.params.logprobs
-                    top = [(int(a), float(b)) for a, b in zip(host.top_ids[j, i][:n], host.top_logprobs[j, i][:n],
-                                                              strict=True)]
-                    logprobs.append(TokenLogprob(token, float(host.logprobs[j, i]), top))
-                out = self._check_stop(step.replica, seq)
+            row.seq.num_pending -= row.steps
+            try:
+                out = self._apply_row(step.replica, row, host, i)
+            except Exception as exc:
+                out = self._fail(step.replica, row.seq, exc)
             if out is not None:
-                out.new_token_ids, out.new_logprobs = tokens, logprobs
                 outputs.append(out)
         return outputs
+
+    def _apply_row(self, replica: Replica, row: Row, host: SampleOutput, i: int) -> CoreOutput | None:
+        """Append row i's sampled tokens to its sequence and apply the stop rules; its output (None when it had
+        ended before this step came back)."""
+        seq = row.seq
+        tokens, logprobs = [], [] if seq.params.logprobs is not None else None
+        out = None
+        for j in range(row.steps):
+            if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
+                break
+            token = int(host.tokens[j, i])
+            seq.output_token_ids.append(token)
+            self.generation_tokens_total += 1
+            tokens.append(token)
+            if logprobs is not None:
+                n = seq.params.logprobs
+                top = [(int(a), float(b)) for a, b in zip(host.top_ids[j, i][:n], host.top_logprobs[j, i][:n],
+                                                          strict=True)]
+                logprobs.append(TokenLogprob(token, float(host.logprobs[j, i]), top))
+            out = self._check_stop(replica, seq)
+        if out is not None:
+            out.new_token_ids, out.new_logprobs = tokens, logprobs
+        return out
 
     def _check_stop(self, replica: Replica, seq: Sequence) -> CoreOutput:
         """The token-level stop rules for the sequence's last token (stop strings are the front's): EOS and stop

@@ -163,6 +163,22 @@ class ModelRunner:
             ops.append(("save", *self._pairs(save)))
         return ops
 
+    def failing_rows(self, rows: list[Row]) -> list[tuple[Row, Exception]]:
+        """The rows whose step cannot be built even alone, each with its error (after `prepare` of them all
+        raised). Nothing is issued and no counter moves: the engine fails those requests and builds the step
+        again without them."""
+        seed, sample_rows = self.step_seed, [r.seq.sample_row for r in rows]
+        failing = []
+        for row in rows:
+            try:
+                self.prepare([row])
+            except Exception as exc:
+                failing.append((row, exc))
+            self.step_seed = seed
+        for row, sample_row in zip(rows, sample_rows, strict=True):
+            row.seq.sample_row = sample_row
+        return failing
+
     def _penalty_rows(self, seqs: list) -> tuple[np.ndarray, ...]:
         """The penalty-count rows of sequences entering the batch, from their prompt and output so far (padding
         entries name row num_slots, dropped)."""
