@@ -25,8 +25,11 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: off; 0: the chosen token's logprob; n: also the top n
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 300  # entries per request
+    LOGIT_BIAS_LIMIT = 100.0  # |bias|: +100 all but forces a token, -100 bans it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +68,22 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or
                                           not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             fail(f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            self._check_logit_bias(fail)
+
+    def _check_logit_bias(self, fail) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            fail(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+        if len(bias) > self.MAX_LOGIT_BIAS:
+            fail(f"logit_bias may hold at most {self.MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for token, value in bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                fail(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not -self.LOGIT_BIAS_LIMIT <= value <= self.LOGIT_BIAS_LIMIT):
+                fail(f"logit_bias values must be numbers in [-{self.LOGIT_BIAS_LIMIT:g}, {self.LOGIT_BIAS_LIMIT:g}], "
+                     f"got {value!r} for token {token}")
 
     @property
     def has_penalties(self) -> bool:

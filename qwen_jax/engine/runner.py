@@ -82,7 +82,8 @@ class ModelRunner:
         # XLA's compiler releases the GIL) or when a step first needs them. While buckets still compile in the
         # background a step takes the smallest compiled bucket that holds it (`ready`), never waiting for one.
         self._forwards: dict[int, jax.stages.Compiled] = {}
-        self._decoders: dict[int, jax.stages.Compiled] = {}  # several decode steps a program (decode_steps)
+        # several decode steps a program (decode_steps), each with the sampling layout it was compiled for
+        self._decoders: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
         self._ready: list[int] | None = None  # None: every bucket, compiled when first needed
@@ -280,16 +281,17 @@ class ModelRunner:
         if not 0 < len(seqs) <= self.decode_steps_max_rows:
             return 1
         if self.mesh.devices.flat[0].platform != "cpu" and any(
-                s.params.logprobs is not None or cut_path([s.params], self.vocab_size) for s in seqs):
+                s.params.logprobs is not None or s.params.logit_bias or cut_path([s.params], self.vocab_size)
+                for s in seqs):
             return 1
         size = step.bucket_for(len(seqs), self._ready or self.token_buckets)
         return self.decode_steps if size in self._decoders or self._ready is None else 1
 
     def _decode_program(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int, steps: int):
         size = step.layout_shape(layout, "tokens")[0]
-        program = self._decoders.get(size) if (path, top, steps) == (0, 0, self.decode_steps) else None
-        if program is not None:
-            return program
+        compiled = self._decoders.get(size)
+        if compiled is not None and (sampling_layout, path, top, steps) == (compiled[0], 0, 0, self.decode_steps):
+            return compiled[1]
         return functools.partial(step.decode_steps, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
                                  mesh=self.mesh, steps=steps, num_top_logprobs=top, path=path)
 
@@ -298,7 +300,7 @@ class ModelRunner:
         sampling_layout = self._padding_sampling(size)[1]
         buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
         sampling = jax.ShapeDtypeStruct((sampling_layout.size,), np.int32, sharding=step.replicated(self.mesh))
-        self._decoders[size] = step.decode_steps.lower(
+        self._decoders[size] = sampling_layout, step.decode_steps.lower(
             self._abstract(self.params), self._abstract(self.cache), self._abstract(self.last_tokens), buffer,
             sampling, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh,
             steps=self.decode_steps, num_top_logprobs=0, path=0).compile()

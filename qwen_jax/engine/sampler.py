@@ -1,4 +1,4 @@
-"""On-device sampling: per-row penalties (from per-request token counts kept on the device), EOS bans,
+"""On-device sampling: per-row logit biases, penalties (from per-request token counts kept on the device), EOS bans,
 temperature, top-k, top-p, min-p, seeded draws and raw logprobs.
 
 Never reads device values back to the host, never branches on a device value (a GPU conditional waits for its
@@ -45,6 +45,8 @@ class SamplingTensors(NamedTuple):
     # an unseeded one (so a row draws the same numbers whether its steps run one program each or several in one)
     penalty_rows: jax.Array  # [B] i32 the row's row of the penalty counts; the counts' size (dropped) without penalties
     banned_ids: jax.Array  # [B, NB] i32 ids forced to -inf this step, padded with V; NB = 0: none in the batch
+    bias_ids: jax.Array  # [B, NL] i32 ids whose logit gets bias_values added, padded with V; NL = 0: no logit_bias
+    bias_values: jax.Array  # [B, NL] f32
 
     @classmethod
     def build(cls, *args, sharding: jax.sharding.Sharding | None = None, **kwargs) -> SamplingTensors:
@@ -111,7 +113,15 @@ class SamplingTensors(NamedTuple):
         banned_ids = np.full((batch_size, _bucket(max(map(len, banned.values()), default=0), 4)), vocab_size, np.int32)
         for i, ids in banned.items():
             banned_ids[i, : len(ids)] = ids
-        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, rng_step, rows, banned_ids)
+        width = _bucket(max((len(p.logit_bias or ()) for p in params_list), default=0), 4)
+        bias_ids = np.full((batch_size, width), vocab_size, np.int32)
+        bias_values = np.zeros((batch_size, width), f32)
+        for i, p in enumerate(params_list):
+            if p.logit_bias:
+                bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
+                bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
+        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, rng_step, rows, banned_ids,
+                   bias_ids, bias_values)
 
 
 def cut_path(params_list: Sequence[SamplingParams], vocab_size: int) -> int:
@@ -214,17 +224,19 @@ def sample(logits: jax.Array, tensors: SamplingTensors, counts: jax.Array | None
            path: int) -> tuple[SampleOutput, jax.Array | None]:
     """logits [B, V] -> (SampleOutput, the penalty counts with the penalised rows' new tokens counted). `counts`:
     None when no row of the batch has a penalty; `path`: cut_path of the batch. One compilation per (B, K, path,
-    NB, penalties or not).
+    NB, NL, penalties or not).
 
-    Order: penalties -> bans -> (greedy rows: argmax) -> / temperature -> top-k -> top-p -> min-p -> categorical draw
-    with the row's key. Logprobs are those of the raw model distribution (log-softmax of the unmodified logits, vLLM's
-    default "raw_logprobs"), for the chosen token and for the top num_top_logprobs.
+    Order: logit bias -> penalties (as vLLM) -> bans -> (greedy rows: argmax) -> / temperature -> top-k -> top-p ->
+    min-p -> categorical draw with the row's key. Logprobs are those of the raw model distribution (log-softmax of the
+    unmodified logits, vLLM's default "raw_logprobs"), for the chosen token and for the top num_top_logprobs.
     """
     t = tensors
     logits = logits.astype(jnp.float32)
     b, v = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = logits
+    if t.bias_ids.shape[1]:
+        x = x.at[jnp.arange(b)[:, None], t.bias_ids].add(t.bias_values, mode="drop")
     if counts is not None:
         x = apply_penalties(x, t, counts)
     if t.banned_ids.shape[1]:

@@ -258,3 +258,22 @@ def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
     assert tokens[1] == 60  # min_tokens reached
     assert tokens[2] == 60  # ignore_eos: EOS is not a stop, only the stop id is banned
     assert tokens[3] not in eos
+
+
+def test_logit_bias_of_100_forces_a_token_and_of_minus_100_bans_one():
+    row, perm, _ = crafted_logits(seed=9)
+    least, best = int(perm[-1]), int(perm[0])
+    assert set(draw_many(row, SP(logit_bias={least: 100})).tolist()) == {least}
+    assert best not in set(draw_many(row, SP(logit_bias={best: -100})).tolist())
+    params = [SP(temperature=0, logit_bias={best: -100.0}), SP(temperature=0), SP(temperature=0, logit_bias={7: 0.5})]
+    tokens = sample(pad_rows([row] * 3), build(params), num_top_logprobs=0).tokens[:3].tolist()
+    assert tokens == [int(perm[1]), best, best]  # greedy rows see the bias too; a small one changes nothing here
+
+
+def test_logit_bias_adds_to_the_logits_of_its_row_only_and_logprobs_stay_raw():
+    row = np.zeros(V, np.float32)
+    row[[4, 5]] = [1.0, 2.0]
+    params = [SP(temperature=0, logit_bias={4: 1.5, 9: -3.0}), SP(temperature=0), SP(temperature=0, logit_bias={9: 3})]
+    out = sample(pad_rows([row] * 3), build(params), num_top_logprobs=2)
+    assert out.tokens[:3].tolist() == [4, 5, 9]  # 1 + 1.5 > 2; 0 + 3 > 2
+    assert out.top_ids[0].tolist() == [5, 4]  # the raw distribution
