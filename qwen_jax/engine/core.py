@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from qwen_jax.engine import multihost
+from qwen_jax.engine import grammar, multihost
 from qwen_jax.engine.model_files import eos_ids, load_tokenizer, read_model_config, resolve_max_model_len
 from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
@@ -94,6 +94,11 @@ class _InFlight:
     rows: list[Row]
     out: SampleOutput
 
+    @property
+    def constrained(self) -> bool:
+        """It samples for a request under a grammar, whose next mask needs this step's token."""
+        return any(row.samples and row.seq.grammar is not None for row in self.rows)
+
 
 class EngineCore:
     """One model on this host's devices (and, on several hosts, the others'), as D data-parallel replicas."""
@@ -115,7 +120,9 @@ class EngineCore:
                  "the jnp references", args["kernels"])
         cfg = self.cfg = read_model_config(model_path, args["dtype"]).with_kernels(kernels)
         ops_for_mesh(cfg, replica_meshes[0])  # a head layout the partitioned ops cannot split fails here, not mid-step
-        self.eos_token_ids = eos_ids(model_path, cfg, load_tokenizer(model_path))
+        tokenizer = load_tokenizer(model_path)
+        self.eos_token_ids = eos_ids(model_path, cfg, tokenizer)
+        self.grammars = grammar.GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
         t0 = time.perf_counter()
         replica_params = self._load_params(args, replica_meshes)
@@ -185,6 +192,8 @@ class EngineCore:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params)
+        if params.structured_outputs is not None:  # compiled here (cached); a schema seen before takes no time
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         replica = min(self.replicas, key=lambda r: r.num_unfinished)  # the least busy (ties: the lowest index)
         replica.add(seq)
         self.seqs[request_id] = seq
@@ -225,9 +234,17 @@ class EngineCore:
         """Plan and issue the next step of every replica that has work, then read back the step issued before it
         and apply its tokens: the device always has the next step queued while the host works on the last one.
         A request that ends at step N has one more token computed in step N+1, which is dropped. Anything that
-        raises while one request's share of a step is built or applied fails that request alone (`_fail`)."""
+        raises while one request's share of a step is built or applied fails that request alone (`_fail`).
+        A replica whose last step sampled for a request under a grammar reads it back before planning the next (the
+        request's next mask needs that token), as vLLM does; other batches keep the step ahead."""
         start = time.perf_counter()
         issued, outputs = [], []
+        ahead = []
+        for step in self._in_flight:
+            if step.constrained:
+                outputs += self._apply(step)
+            else:
+                ahead.append(step)
         for replica in self.replicas:
             plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running))
             if plan.empty:
@@ -240,7 +257,7 @@ class EngineCore:
                 self.dispatch_seconds += time.perf_counter() - dispatch
                 issued.append(_InFlight(replica, rows, out))
         self.plan_seconds += time.perf_counter() - start
-        for step in self._in_flight:
+        for step in ahead:
             outputs += self._apply(step)
         self._in_flight = issued
         if issued or outputs:
@@ -298,6 +315,8 @@ class EngineCore:
             if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
                 break
             token = int(host.tokens[j, i])
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             seq.output_token_ids.append(token)
             self.generation_tokens_total += 1
             tokens.append(token)
@@ -320,6 +339,8 @@ class EngineCore:
         out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens)
         if eos or (token in params.stop_token_ids and enough):
             out.finish_reason, out.stop_reason, out.eos = "stop", token, eos
+        elif seq.grammar is not None and seq.grammar.is_terminated:  # its stop token: nothing more may follow
+            out.finish_reason, out.stop_reason, out.eos = "stop", token, token in self.eos_token_ids
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             out.finish_reason = "length"
         if out.finish_reason is not None:
@@ -390,7 +411,8 @@ def resolve_kernels(kernels: str) -> str:
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
     """Raise ValueError naming the problem when a request cannot be served by a model of this vocabulary and
-    context: every token id field is checked against the vocabulary here, at the edge."""
+    context: every token id field is checked against the vocabulary here, at the edge, and a structured output's
+    grammar is parsed."""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty")
     bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size]
@@ -402,6 +424,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     bad = [t for t in params.logit_bias or () if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if params.structured_outputs is not None:
+        grammar.check(params.structured_outputs)
     if len(prompt_token_ids) + params.max_tokens > max_model_len:
         raise ValueError(f"this model's maximum context length is {max_model_len} tokens; the request has "
                          f"{len(prompt_token_ids)} prompt tokens and asks for {params.max_tokens} more")

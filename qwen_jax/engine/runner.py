@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.engine import step
+from qwen_jax.engine import grammar, step
 from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, cut_path
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.layers.batch import ragged
@@ -138,10 +138,12 @@ class ModelRunner:
         sampling = [r.seq.params if r.samples else _GREEDY for r in rows]
         steps = rows[0].steps if rows else 1
         # the tokens a row had before this step's first: its planned samples are already counted as pending
+        constrained = [i for i, r in enumerate(rows) if r.samples and r.seq.grammar is not None]
         tensors = SamplingTensors.build_host(
             sampling, [r.seq.num_requested - r.steps if r.samples else 0 for r in rows], [r.seq.slot for r in rows],
             vocab_size=self.vocab_size, batch_size=num_requests, eos_token_ids=self.eos_token_ids,
-            step_seed=self.step_seed + 1, num_penalty_rows=self.num_slots)
+            step_seed=self.step_seed + 1, num_penalty_rows=self.num_slots, constrained_rows=constrained,
+            token_masks=self._token_masks([rows[i] for i in constrained]) if constrained else None)
         self.step_seed += steps
         sampling_buffer, sampling_layout = step.pack(tensors._asdict())
         penalties = any(p.has_penalties for p in sampling)
@@ -163,6 +165,18 @@ class ModelRunner:
         if save and self.has_snapshots:
             ops.append(("save", *self._pairs(save)))
         return ops
+
+    def _token_masks(self, rows: list[Row]) -> np.ndarray:
+        """The grammar masks of constrained sampling rows [len(rows), W]: each from its matcher, which has seen
+        every output token before this step's (the core reads a constrained request's last step back before it
+        plans the next)."""
+        masks = np.zeros((len(rows), grammar.mask_words(self.vocab_size)), np.int32)
+        for i, row in enumerate(rows):
+            if row.seq.num_pending != row.steps:
+                raise RuntimeError(f"request {row.seq.request_id}: its grammar mask needs its last token, which "
+                                   "is still on the device")
+            row.seq.grammar.fill_mask(masks, i)
+        return masks
 
     def failing_rows(self, rows: list[Row]) -> list[tuple[Row, Exception]]:
         """The rows whose step cannot be built even alone, each with its error (after `prepare` of them all
