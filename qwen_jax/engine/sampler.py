@@ -22,6 +22,9 @@ from qwen_jax.sampling_params import SamplingParams
 TOP_K_FAST_MAX = 64
 
 _U32 = 0xFFFFFFFF
+# A batch without a constrained row: no mask rows (the sampler does not even trace the mask).
+_NO_MASK_ROWS = np.zeros(0, np.int32)
+_NO_MASKS = np.zeros((0, 0), np.int32)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -125,12 +128,13 @@ class SamplingTensors(NamedTuple):
             if p.logit_bias:
                 bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
                 bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
-        count = len(constrained_rows)
-        masks = np.zeros((_bucket(count, 1), token_masks.shape[1] if count else 0), np.int32)
-        if count:
+        mask_rows, masks = _NO_MASK_ROWS, _NO_MASKS
+        if constrained_rows:
+            count = len(constrained_rows)
+            masks = np.zeros((_bucket(count, 1), token_masks.shape[1]), np.int32)
             masks[:count] = token_masks
-        mask_rows = np.full(batch_size if count else 0, len(masks), np.int32)
-        mask_rows[list(constrained_rows)] = np.arange(count)
+            mask_rows = np.full(batch_size, len(masks), np.int32)
+            mask_rows[list(constrained_rows)] = np.arange(count)
         return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, rng_step, rows, banned_ids,
                    bias_ids, bias_values, mask_rows, masks)
 
