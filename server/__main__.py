@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="seconds running requests may take to finish after SIGTERM before they are aborted")
+                   help="on SIGTERM/SIGINT nothing new is admitted and requests not started get 503; running ones "
+                        "may take this many seconds to finish before each is ended with an error body (or an SSE "
+                        "error event and [DONE]); a second signal ends them at once")
     p.add_argument("--compilation-cache-dir", default=os.environ.get("QWEN_JAX_COMPILATION_CACHE"),
                    help="JAX persistent compilation cache (default ~/.cache/qwen_jax/jax_compilation_cache); "
                         "'none' turns it off")
@@ -92,27 +94,45 @@ def enable_compilation_cache(path: str | None) -> str | None:
 
 
 async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
-    """Serve `app` until SIGTERM/SIGINT, a failed engine start or the engine core's death; returns the process exit
-    code (non-zero for the last two, so that a supervisor restarts the server)."""
+    """Serve `app` until SIGTERM/SIGINT (then drain: see ServerState.drain; a second signal cuts the wait short), a
+    failed engine start or the engine core's death; returns the process exit code (non-zero for the last two, so
+    that a supervisor restarts the server)."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.backlog = 2048
-    config.graceful_timeout = graceful_timeout
+    # Requests are drained before Hypercorn is told to stop (ServerState.drain): by then only answers being written
+    # and idle connections are left for its own graceful shutdown.
+    config.graceful_timeout = 5.0
     config.keep_alive_timeout = 30
     config.accesslog = None
     config.errorlog = "-"
     stop = asyncio.Event()
+    hurry = asyncio.Event()
     exit_code = 0
     loop = asyncio.get_running_loop()
+    state = app.extensions["qwen_jax"]
+    draining: list[asyncio.Task] = []
+
+    async def drain() -> None:
+        await state.drain(graceful_timeout, hurry)
+        stop.set()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if draining:  # a second signal: end the running requests now
+            log.info("%s again: ending the running requests now", sig.name)
+            hurry.set()
+            return
+        log.info("%s: draining (new requests get 503)", sig.name)
+        draining.append(asyncio.create_task(drain()))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     async def watch_engine() -> None:
         nonlocal exit_code
-        state = app.extensions["qwen_jax"]
         while state.start_task is None:
             await asyncio.sleep(0.05)
         await asyncio.gather(state.start_task, return_exceptions=True)
@@ -127,13 +147,14 @@ async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
         exit_code = 1
         stop.set()
 
-    app.extensions["qwen_jax"].engine.on_dead(engine_died)
+    state.engine.on_dead(engine_died)
     watcher = asyncio.create_task(watch_engine())
     try:
         await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
     finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        for task in (watcher, *draining):
+            task.cancel()
+        await asyncio.gather(watcher, *draining, return_exceptions=True)
     log.info("server stopped")
     return exit_code
 

@@ -1,21 +1,46 @@
-"""OpenAI-style request parsing and validation (chat, completions, /invocations) into SamplingParams and a prompt.
+"""The OpenAI-compatible request models (pydantic v2, vLLM's field names), JSON decoding, and the error body.
 
-Pure functions over decoded JSON: never touches the engine or the network; every rejection is an APIError (4xx).
+Pure functions and models over a request body: never touches the engine or the network. Every field is typed and
+bounded; anything invalid becomes an APIError (HTTP 4xx) that names the parameter, never an exception of the caller.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from qwen_jax.sampling_params import SamplingParams
 
-MAX_N = 16
+MAX_N = 16  # choices (n, best_of) per prompt
 MAX_STOP = 16
 MAX_PROMPTS = 64
-ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128
+MAX_LIST = 4096  # stop_token_ids, logit_bias entries, bad words
+MAX_JSON_DEPTH = 64  # nesting of any JSON value: deeper is no sane request, and templates recurse over it
+MAX_INT_DIGITS = 40  # longer integer literals fit no field (the widest, seed, is 64 bits)
+INT32_MAX = 2 ** 31 - 1
+# apply_chat_template's own arguments: in chat_template_kwargs they would change what the call returns, not what the
+# template sees (the request has fields for the ones that make sense).
+RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"))
 
 
 class APIError(Exception):
@@ -40,253 +65,512 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-@dataclasses.dataclass
-class ParsedRequest:
-    """A validated chat or completion request. Exactly one of `messages` / `prompts` is set."""
+def unsupported(name: str, why: str) -> APIError:
+    return APIError(f"'{name}' is not supported: {why}", param=name, code="unsupported_parameter")
 
-    kind: str  # "chat" or "completion"
-    model: str | None
-    params: SamplingParams  # max_tokens may still be filled in per prompt (see `max_tokens_given`)
-    max_tokens_given: bool
-    n: int
-    stream: bool
-    include_usage: bool
-    messages: list[dict] | None = None
-    enable_thinking: bool = False
-    prompts: list[str | list[int]] | None = None  # completion: text or token ids, one entry per prompt
-    echo: bool = False
+
+# ---- JSON decoding -----------------------------------------------------------------------------------------------
+
+class _Rejected:
+    """A JSON literal no field accepts (NaN, an infinity, an integer of hundreds of digits), kept in place by the
+    decoder so that the check below can name the parameter it was sent for."""
+
+    def __init__(self, literal: str):
+        self.literal = literal if len(literal) <= 20 else f"an integer of {len(literal)} digits"
+
+
+def _parse_int(literal: str) -> int | _Rejected:
+    digits = len(literal) - literal.startswith("-")
+    return int(literal) if digits <= MAX_INT_DIGITS else _Rejected(literal)
+
+
+def _parse_float(literal: str) -> float | _Rejected:
+    value = float(literal)
+    return value if math.isfinite(value) else _Rejected(literal)
 
 
 def parse_json(raw: bytes) -> dict:
-    """Decode a request body; anything but a JSON object is a 400."""
+    """Decode a request body into a JSON object whose every string is valid Unicode (no lone UTF-16 surrogates),
+    every number finite and of sane size, nested at most MAX_JSON_DEPTH deep; anything else is a 400 naming where."""
     if not raw:
         raise APIError("request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_Rejected)
     except (ValueError, RecursionError) as exc:
         raise APIError(f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise APIError(f"request body must be a JSON object, got {type(body).__name__}")
+    _check_values(body)
     return body
 
 
-# ---- typed field readers --------------------------------------------------------------------------------------
+def _check_values(body: dict) -> None:
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            shown = path if len(path) <= 80 else path[:77] + "..."
+            raise APIError(f"'{shown}' is nested more than {MAX_JSON_DEPTH} levels deep", param=shown)
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, _Rejected):
+            raise APIError(f"'{path}' must be a finite number of sane size, got {value.literal}", param=path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else key
+                _check_text(key, child if _is_unicode(key) else path or "(top level)")
+                stack.append((item, child, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
 
-def _bad(param: str, expected: str, value: Any) -> APIError:
-    shown = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
-    return APIError(f"'{param}' must be {expected}, got {shown}", param=param)
 
-
-def _jsonable(value: Any) -> bool:
+def _is_unicode(text: str) -> bool:
     try:
-        json.dumps(value)
+        text.encode("utf-8")
         return True
-    except (TypeError, ValueError):
+    except UnicodeEncodeError:
         return False
 
 
-def _int(body: dict, name: str, default: int | None = None, lo: int | None = None, hi: int | None = None
-         ) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _bad(name, "an integer", value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
-        raise APIError(f"'{name}' must be {bounds}, got {value}", param=name)
-    return value
+def _check_text(text: str, path: str) -> None:
+    if not text.isascii() and not _is_unicode(text):
+        raise APIError(f"'{path}' holds a lone UTF-16 surrogate (not valid Unicode)", param=path)
 
 
-def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise _bad(name, "a finite number", value)
-    if value > hi or value < lo or (lo_open and value == lo):
-        raise APIError(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
-    return float(value)
+# ---- validation --------------------------------------------------------------------------------------------------
 
-
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _bad(name, "a boolean", value)
-    return value
-
-
-def _stop(body: dict) -> list[str]:
-    value = body.get("stop")
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _bad("stop", "a string or a list of strings", value)
-    if len(value) > MAX_STOP:
-        raise APIError(f"'stop' may hold at most {MAX_STOP} sequences, got {len(value)}", param="stop")
-    if any(not s for s in value):
-        raise APIError("'stop' sequences must be non-empty strings", param="stop")
-    return value
-
-
-def _token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-# ---- the common sampling fields ---------------------------------------------------------------------------------
-
-def _sampling(body: dict, logprobs: int | None) -> tuple[SamplingParams, bool]:
-    max_tokens = _int(body, "max_completion_tokens", lo=1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", lo=1)
-    elif body.get("max_tokens") is not None:
-        _int(body, "max_tokens", lo=1)
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and not (_token_list(stop_token_ids) and all(t >= 0 for t in stop_token_ids)):
-        raise _bad("stop_token_ids", "a list of non-negative integers", stop_token_ids)
-    top_k = _int(body, "top_k", default=0, lo=-1)
-    min_tokens = _int(body, "min_tokens", default=0, lo=0)
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise APIError(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+def validate(model: type[BaseModel], body: dict, vocab_size: int | None = None,
+             max_logprobs: int = SamplingParams.MAX_LOGPROBS) -> Any:
+    """`model` from a decoded body; a ValidationError becomes an APIError naming the first bad parameter. Token ids
+    are checked against `vocab_size` (the model's), logprobs counts against `max_logprobs`."""
     try:
-        params = SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else max(1, min_tokens),
-            temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-            top_k=top_k,
-            min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
-            repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
-            presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            seed=_int(body, "seed", lo=-(2 ** 63), hi=2 ** 63 - 1),
-            stop=_stop(body),
-            stop_token_ids=list(stop_token_ids or []),
-            ignore_eos=_bool(body, "ignore_eos"),
-            min_tokens=min_tokens,
-            logprobs=logprobs,
-            skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        )
-    except ValueError as exc:
-        raise APIError(str(exc)) from None
-    return params, max_tokens is not None
+        return model.model_validate(body, context={"vocab_size": vocab_size, "max_logprobs": max_logprobs})
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        param = _param(body, error["loc"], error["type"] == "missing")
+        message = error["msg"]
+        if error["type"] not in ("missing", "token_id", "one_of") and "input" in error:
+            message += f", got {_shown(error['input'])}"
+        raise APIError(f"'{param}': {message}" if param else message, param=param or None) from None
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream")
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not isinstance(options, dict):
-        raise _bad("stream_options", "an object", options)
-    if not stream:
-        raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return stream, _bool(options, "include_usage")
+def _param(body: Any, loc: tuple, missing: bool) -> str:
+    """The request path of an error location (`messages[0].content`): a location also names the union branch it
+    tried, which is not in the body and is left out."""
+    path, value = "", body
+    for n, part in enumerate(loc):
+        if isinstance(value, dict) and isinstance(part, str) and (part in value or (missing and n == len(loc) - 1)):
+            path, value = f"{path}.{part}" if path else part, value.get(part)
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            path, value = f"{path}[{part}]", value[part]
+    return path
 
 
-def _model(body: dict) -> str | None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model", "a string", model)
-    return model
+def _shown(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
-# ---- chat ------------------------------------------------------------------------------------------------------
-
-def _messages(value: Any) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise _bad("messages", "a non-empty list of message objects", value)
-    out = []
-    for i, message in enumerate(value):
-        param = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _bad(param, "an object with 'role' and 'content'", message)
-        role = message.get("role")
-        if role not in ROLES:
-            raise APIError(f"'{param}.role' must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}",
-                           param=f"{param}.role")
-        content = message.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type", "text") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise APIError(f"'{param}.content' parts must be {{\"type\": \"text\", \"text\": string}} "
-                                   "(only text is supported)", param=f"{param}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif content is None and role == "assistant":
-            content = ""
-        elif not isinstance(content, str):
-            raise _bad(f"{param}.content", "a string or a list of text parts", content)
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    if not any(m["role"] == "user" for m in out):
-        raise APIError("'messages' must contain at least one user message", param="messages")
-    return out
+def _context(info: ValidationInfo, key: str) -> Any:
+    return (info.context or {}).get(key)
 
 
-def parse_chat(body: dict, default_thinking: bool = False) -> ParsedRequest:
-    """POST /v1/chat/completions (and /invocations with `messages`)."""
-    messages = _messages(body.get("messages"))
-    want = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", lo=0, hi=SamplingParams.MAX_LOGPROBS)
-    if top is not None and not want:
-        raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    params, given = _sampling(body, (top or 0) if want else None)
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs", "an object", kwargs)
-    thinking = _bool(body, "thinking", default_thinking)
-    if kwargs and "enable_thinking" in kwargs:
-        thinking = _bool(kwargs, "enable_thinking")
-    stream, include_usage = _stream(body)
-    return ParsedRequest(kind="chat", model=_model(body), params=params, max_tokens_given=given,
-                         n=_int(body, "n", 1, lo=1, hi=MAX_N), stream=stream, include_usage=include_usage,
-                         messages=messages, enable_thinking=thinking)
+def _token_id(value: int, info: ValidationInfo) -> int:
+    vocab = _context(info, "vocab_size")
+    if value < 0 or value >= (vocab or INT32_MAX + 1):
+        raise PydanticCustomError("token_id", "token id {token_id} is outside the vocabulary [0, {vocab})",
+                                  {"token_id": value, "vocab": vocab or INT32_MAX + 1})
+    return value
 
 
-# ---- completions -----------------------------------------------------------------------------------------------
-
-def _prompts(value: Any) -> list[str | list[int]]:
-    if isinstance(value, str):
-        prompts = [value]
-    elif _token_list(value) and value:
-        prompts = [value]
-    elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-        prompts = list(value)
-    elif isinstance(value, list) and value and all(_token_list(p) for p in value):
-        prompts = list(value)
-    else:
-        raise _bad("prompt", "a string, a list of strings, a list of token ids or a list of token-id lists",
-                   value)
-    if len(prompts) > MAX_PROMPTS:
-        raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
-    for p in prompts:
-        if len(p) == 0:
-            raise APIError("'prompt' must not be empty", param="prompt")
-    return prompts
+def _logprobs_count(value: int | None, info: ValidationInfo) -> int | None:
+    limit = _context(info, "max_logprobs") or SamplingParams.MAX_LOGPROBS
+    if value is not None and value > limit:
+        raise PydanticCustomError("max_logprobs", "at most {limit} logprobs per token (--max-logprobs)",
+                                  {"limit": limit})
+    return value
 
 
-def parse_completion(body: dict) -> ParsedRequest:
-    """POST /v1/completions (and /invocations with `prompt`)."""
-    prompts = _prompts(body.get("prompt"))
-    logprobs = _int(body, "logprobs", lo=0, hi=SamplingParams.MAX_LOGPROBS)
-    params, given = _sampling(body, logprobs)
-    stream, include_usage = _stream(body)
-    return ParsedRequest(kind="completion", model=_model(body), params=params, max_tokens_given=given,
-                         n=_int(body, "n", 1, lo=1, hi=MAX_N), stream=stream, include_usage=include_usage,
-                         prompts=prompts, echo=_bool(body, "echo"))
+def _one_of(shapes: dict[str, Any], expected: str) -> Any:
+    """A union picked by the shape of the value (so errors come from that branch alone), with one clear message when
+    the value has none of the shapes."""
+    def shape(value: Any) -> str | None:
+        return next((tag for tag, test in shapes.items() if test(value)), None)
+
+    return Discriminator(shape, custom_error_type="one_of", custom_error_message=f"must be {expected}")
 
 
-def parse_invocation(body: dict) -> ParsedRequest:
-    """POST /invocations: a chat body (has `messages`) or a completion body (has `prompt`)."""
-    if "messages" in body:
-        return parse_chat(body)
-    if "prompt" in body:
-        return parse_completion(body)
-    raise APIError("an /invocations body needs 'messages' (chat) or 'prompt' (completion)", param="messages")
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+TokenId = Annotated[int, AfterValidator(_token_id), Field(json_schema_extra={"minimum": 0})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PositiveInt32 = Annotated[int, Field(ge=1, le=INT32_MAX)]
+LogprobsCount = Annotated[int, Field(ge=0, le=SamplingParams.MAX_LOGPROBS), AfterValidator(_logprobs_count)]
+Text = Annotated[str, Field(min_length=1)]
+Stop = Annotated[
+    Annotated[Text, Tag("one")] | Annotated[list[Text], Field(max_length=MAX_STOP), Tag("many")],
+    _one_of({"one": lambda v: isinstance(v, str), "many": lambda v: isinstance(v, list)},
+            "a non-empty string or a list of them"),
+]
+Prompt = Annotated[
+    Annotated[Text, Tag("text")] | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS), Tag("texts")]
+    | Annotated[TokenIds, Tag("ids")]
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS), Tag("id_lists")],
+    _one_of({"text": lambda v: isinstance(v, str),
+             "texts": lambda v: isinstance(v, list) and v != [] and all(isinstance(p, str) for p in v),
+             "ids": lambda v: isinstance(v, list) and v != [] and all(_is_int(t) for t in v),
+             "id_lists": lambda v: isinstance(v, list) and v != [] and all(isinstance(p, list) for p in v)},
+            "a non-empty string, a list of them, a list of token ids or a list of token-id lists"),
+]
+
+
+class _Model(BaseModel):
+    """Strict types (no "10" for 10, no 1.5 for an integer); unknown fields are kept, for the log (ignored_fields)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The paths of every unknown field in a validated request (list indices left out), for the log."""
+    found = [f"{prefix}{name}" for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                found += ignored_fields(item, f"{prefix}{name}.")
+    return found
+
+
+# ---- parts of requests -------------------------------------------------------------------------------------------
+
+class StreamOptions(_Model):
+    include_usage: bool = Field(False, description="send a last chunk with the usage of the whole request")
+
+
+class TextPart(_Model):
+    type: Literal["text"] = Field("text", description="only text parts are supported")
+    text: str
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+Content = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES), Tag("parts")],
+    _one_of({"text": lambda v: isinstance(v, str), "parts": lambda v: isinstance(v, list)},
+            "a string or a list of text parts"),
+]
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing", "Field required (only an assistant message may omit 'content')")
+        return self
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class FunctionDefinition(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("mode")] | Annotated[NamedToolChoice, Tag("named")],
+    _one_of({"mode": lambda v: isinstance(v, str), "named": lambda v: isinstance(v, dict)},
+            "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"),
+]
+
+
+class JsonSchemaFormat(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# ---- requests ----------------------------------------------------------------------------------------------------
+
+class _ChatPrompt(_Model):
+    """What renders a conversation into a prompt: the messages and the chat template's options."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's opening")
+    continue_final_message: bool = Field(False, description="leave the last (assistant) message open to continue "
+                                                            "it (instead of add_generation_prompt)")
+    add_special_tokens: bool = Field(False, description="add the tokenizer's special tokens on top of the template's")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, max_length=64, description="extra variables for the chat template (enable_thinking among them)")
+    thinking: bool | None = Field(None, description="the thinking toggle (as chat_template_kwargs.enable_thinking)")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    chat_template: str | None = Field(None, description="not accepted: the server's template (--chat-template) is "
+                                                        "used")
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> _ChatPrompt:
+        if not any(m.role == "user" for m in self.messages):
+            raise APIError("'messages' must contain at least one user message", param="messages")
+        if self.chat_template is not None:
+            raise unsupported("chat_template", "a request may not bring its own template (the server's is used)")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError("'continue_final_message' needs 'add_generation_prompt': false",
+                           param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError("'continue_final_message' needs an assistant message last", param="continue_final_message")
+        for key, value in (self.chat_template_kwargs or {}).items():
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise APIError(f"'chat_template_kwargs.{key}' is an argument of the template call, not a template "
+                               "variable (use the request field of that name where there is one)",
+                               param=f"chat_template_kwargs.{key}")
+            if key == "enable_thinking" and not isinstance(value, bool):
+                raise APIError(f"'chat_template_kwargs.enable_thinking' must be a boolean, got {_shown(value)}",
+                               param="chat_template_kwargs.enable_thinking")
+        return self
+
+    @property
+    def enable_thinking(self) -> bool:
+        """Off unless asked: chat_template_kwargs.enable_thinking, else `thinking`."""
+        kwargs = self.chat_template_kwargs or {}
+        return bool(kwargs["enable_thinking"] if "enable_thinking" in kwargs else self.thinking)
+
+    def template_messages(self) -> list[dict]:
+        """The messages as the chat template reads them (developer messages are system messages to it)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages]
+
+    def template_kwargs(self) -> dict:
+        return {**(self.chat_template_kwargs or {}), "enable_thinking": self.enable_thinking}
+
+
+class _Sampling(_Model):
+    """The fields every generation request shares: the sampler's and the stop rules' (vLLM's SamplingParams)."""
+
+    model: str | None = Field(None, description="any name: the server serves one model")
+    max_tokens: PositiveInt32 | None = Field(None, description="default: the room left in the context")
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = Field(0, description="0 or -1: no top-k cut")
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=2, allow_inf_nan=False)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)] | None = None
+    stop: Stop | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    skip_special_tokens: bool = True
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
+        None, description="candidates per prompt; the n with the highest cumulative logprob are returned")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    truncate_prompt_tokens: PositiveInt32 | None = Field(None, description="keep only the prompt's last tokens")
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                          Field(max_length=MAX_LIST)] | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # vLLM's fields that change the output and that this server does not implement: rejected unless left as is
+    use_beam_search: bool = False
+    prompt_logprobs: LogprobsCount | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_LIST)] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None, info: ValidationInfo) -> dict[str, float] | None:
+        vocab = _context(info, "vocab_size") or INT32_MAX + 1
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab):
+                raise APIError(f"'logit_bias' keys must be token ids in [0, {vocab}), got {_shown(key)}",
+                               param=f"logit_bias.{key}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> _Sampling:
+        limit = self.max_tokens_given
+        if limit is not None and self.min_tokens > limit:
+            raise APIError(f"'min_tokens' ({self.min_tokens}) must not exceed max_tokens ({limit})",
+                           param="min_tokens")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(f"'best_of' ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.stream and self.candidates > self.n:
+            raise APIError("'best_of' larger than n needs every candidate finished before choosing: not with "
+                           "'stream'", param="best_of")
+        for name, why in (("use_beam_search", "no beam search"), ("prompt_logprobs", "no prompt logprobs"),
+                          ("include_stop_str_in_output", "stop strings are always cut"),
+                          ("allowed_token_ids", "no allow-lists"), ("bad_words", "no bad-word lists")):
+            if getattr(self, name) not in (None, False):
+                raise unsupported(name, why)
+        return self
+
+    @property
+    def candidates(self) -> int:
+        """Engine requests per prompt: best_of when given, else n."""
+        return self.best_of or self.n
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """Logprobs the response shows per token: None (none), 0 (the chosen token's) or the top-n count."""
+        raise NotImplementedError
+
+    @property
+    def max_tokens_given(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's parameters; max_tokens is a placeholder when not given (the room left fills it per prompt).
+        best_of above n asks the engine for logprobs, which choose the candidates."""
+        logprobs = self.requested_logprobs
+        if logprobs is None and self.candidates > self.n:
+            logprobs = 0
+        given = self.max_tokens_given
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=given if given is not None else max(1, self.min_tokens), temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+
+class ChatCompletionRequest(_Sampling, _ChatPrompt):
+    """POST /v1/chat/completions."""
+
+    max_completion_tokens: PositiveInt32 | None = Field(None, description="max_tokens under its newer name")
+    logprobs: bool = False
+    top_logprobs: LogprobsCount | None = None
+    echo: bool = Field(False, description="start the reply with the last message's content when it is the "
+                                          "assistant's")
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+        return self
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def max_tokens_given(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def echo_text(self) -> str:
+        """What `echo` puts before the reply: the last message's content when it is an assistant's."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == "assistant" else ""
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    logprobs: LogprobsCount | None = Field(None, description="the top-n logprobs per token (0: the chosen token's)")
+    echo: bool = Field(False, description="repeat the prompt before the completion")
+    suffix: str | None = Field(None, description="not supported (no insertion)")
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens to text prompts")
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise unsupported("suffix", "this server does not insert text (no fill-in-the-middle)")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("echo", "with 'logprobs' it needs the prompt's logprobs, which the engine does not "
+                                      "compute")
+        return self
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and _is_int(p[0])) else list(p)
+
+
+class TokenizeCompletionRequest(_Model):
+    """POST /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: Annotated[Annotated[str, Tag("text")] | Annotated[list[TokenId], Tag("ids")],
+                      _one_of({"text": lambda v: isinstance(v, str), "ids": lambda v: isinstance(v, list)},
+                              "a string or a list of token ids")]
+    add_special_tokens: bool = True
+    return_token_strs: bool = Field(False, description="also return each token's text")
+
+
+class TokenizeChatRequest(_ChatPrompt):
+    """POST /tokenize with messages: the prompt a chat request would run."""
+
+    model: str | None = None
+    return_token_strs: bool = Field(False, description="also return each token's text")
+
+
+class DetokenizeRequest(_Model):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
+GenerationRequest = ChatCompletionRequest | CompletionRequest

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 import urllib.request
@@ -19,6 +20,14 @@ MAX_NUM_SEQS = 4
 ENGINE_ARGS = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512,
                    enable_prefix_caching=True, dtype="float32", seed=0)
 START_TIMEOUT_S = 180
+
+
+def server_command(port: int, model_dir: str, compilation_cache_dir: str, *extra: str) -> list[str]:
+    """`python -m server` on 127.0.0.1:port with the tests' engine arguments (run from the repository root)."""
+    return [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--model", model_dir,
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--max-num-batched-tokens", "512", "--dtype", "float32", "--seed", "0",
+            "--compilation-cache-dir", compilation_cache_dir, *extra]
 
 
 def free_port() -> int:
@@ -118,3 +127,30 @@ def wait_idle(srv: ServerThread, timeout: float = 30) -> dict:
             return stats
         time.sleep(0.05)
     raise AssertionError(f"engine not idle after {timeout} s: {stats}, in flight {srv.state.in_flight}")
+
+
+def stream_events(url: str, body: dict, events: list[str], first: threading.Event) -> None:
+    """POST a streaming request and collect its SSE events as they come (`first` is set at the first text)."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for event in _events(resp):
+            events.append(event)
+            if event.startswith("data: {") and json.loads(event[6:]).get("choices", [{}])[0].get("text"):
+                first.set()
+
+
+def _events(resp):
+    """The SSE events of a response, each as soon as it has arrived whole."""
+    buffer = b""
+    while chunk := resp.read1(65536):
+        *done, buffer = (buffer + chunk).split(b"\n\n")
+        yield from (e.decode() for e in done if e)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)

@@ -11,46 +11,28 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from server_harness import MAX_MODEL_LEN, MAX_NUM_SEQS, START_TIMEOUT_S, ServerThread, free_port, http_json, make_engine
+from server_harness import (
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    START_TIMEOUT_S,
+    ServerThread,
+    free_port,
+    http_json,
+    make_engine,
+    server_command,
+    stream_events,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEATH_TIMEOUT_S = 30  # from the kill to every request answered and the server process gone
 # Tens of seconds of decoding on the CPU: still running when the core is killed.
 LONG = dict(max_tokens=MAX_MODEL_LEN - 16, ignore_eos=True, temperature=0)
-
-
-def stream_events(url: str, body: dict, events: list[str], first: threading.Event) -> None:
-    """POST a streaming request and collect its SSE events as they come (`first` is set at the first text)."""
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        for event in _events(resp):
-            events.append(event)
-            if event.startswith("data: {") and json.loads(event[6:]).get("choices", [{}])[0].get("text"):
-                first.set()
-
-
-def _events(resp):
-    """The SSE events of a response, each as soon as it has arrived whole."""
-    buffer = b""
-    while chunk := resp.read1(65536):
-        *done, buffer = (buffer + chunk).split(b"\n\n")
-        yield from (e.decode() for e in done if e)
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -145,12 +127,9 @@ def test_server_process_exits_non_zero_when_its_engine_core_is_killed(tmp_path, 
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--model", default_model_dir,
-             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-             "--max-num-batched-tokens", "512", "--dtype", "float32", "--seed", "0",
-             # A request left hanging would hold the exit past DEATH_TIMEOUT_S.
-             "--graceful-timeout", str(2 * DEATH_TIMEOUT_S),
-             "--compilation-cache-dir", compilation_cache_dir], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            # A request left hanging would hold the exit past DEATH_TIMEOUT_S.
+            server_command(port, default_model_dir, compilation_cache_dir, "--graceful-timeout",
+                           str(2 * DEATH_TIMEOUT_S)), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         def healthy() -> bool:
             assert server.poll() is None, log_path.read_text()

@@ -156,12 +156,15 @@ def test_streaming_invocation_ends_with_done(server):
 
 
 def test_default_max_tokens_is_the_room_left_in_the_context(server, tokenizer):
-    from server.app import _prepare
-    from server.protocol import parse_completion
+    from server.protocol import CompletionRequest, validate
+    from server.serving_completion import CompletionServing
 
+    serving = CompletionServing(server.state)
     ids = tokenizer.encode("Once upon a time")
-    _, _, jobs = _prepare(server.state, parse_completion({"prompt": ids, "n": 2, "seed": 5}))
+    req = validate(CompletionRequest, {"prompt": ids, "n": 2, "seed": 5})
+    jobs = serving.jobs(req, serving.prompts(req))
     assert [j.params.max_tokens for j in jobs] == [MAX_MODEL_LEN - len(ids)] * 2
     assert [j.params.seed for j in jobs] == [5, 6]  # n > 1 fans out into distinct seeded requests
-    _, _, exact = _prepare(server.state, parse_completion({"prompt": ids, "max_tokens": MAX_MODEL_LEN - len(ids)}))
+    req = validate(CompletionRequest, {"prompt": ids, "max_tokens": MAX_MODEL_LEN - len(ids)})
+    exact = serving.jobs(req, serving.prompts(req))
     assert exact[0].params.max_tokens == MAX_MODEL_LEN - len(ids)

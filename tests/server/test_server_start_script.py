@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import threading
-import time
 import urllib.request
 
 from server_harness import MAX_MODEL_LEN, MAX_NUM_SEQS, free_port, http_json
@@ -49,19 +48,24 @@ def test_start_script_serves_the_default_model_with_an_api_key_and_stops_gracefu
         assert code == 200 and data["usage"]["completion_tokens"] == 3 and data["model"] == "tiny"
         assert "no --model given" in (tmp_path / "server.log").read_text()
 
-        # A stream in flight when --stop sends SIGTERM is finished (or aborted) and closed with [DONE].
+        # A stream running when --stop sends SIGTERM is finished (or ended at the graceful timeout) and closed
+        # with [DONE].
         events: list[str] = []
+        first = threading.Event()
 
         def consume() -> None:
             req = urllib.request.Request(url + "/v1/completions", method="POST", headers={
                 **auth, "Content-Type": "application/json"}, data=json.dumps({
                     "prompt": "long", "max_tokens": 40, "ignore_eos": True, "stream": True}).encode())
             with urllib.request.urlopen(req, timeout=120) as resp:
-                events.extend(e for e in resp.read().decode().split("\n\n") if e)
+                raw = resp.read1(65536)  # the answer starts once the request runs
+                first.set()
+                raw += resp.read()
+            events.extend(e for e in raw.decode().split("\n\n") if e)
 
         reader = threading.Thread(target=consume)
         reader.start()
-        time.sleep(0.5)
+        assert first.wait(60)
     finally:
         stopped = subprocess.run([SCRIPT, "--stop"], env=env, capture_output=True, text=True, timeout=120)
     reader.join(60)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from server_harness import http_json
 
-from server.chat import ReasoningSplitter
+from server.reasoning import ReasoningSplitter
 
 MESSAGES = [{"role": "user", "content": "Think about rivers."}]
 EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -1,33 +1,12 @@
-"""Chat prompts and replies: render messages with the model directory's chat template, split think blocks off.
+"""Splits a chat reply into reasoning (the think block) and content, as it streams.
 
-Text in, token ids or text out; never touches the engine. Thinking is off unless the request turns it on.
+Text in, text out; never touches the engine or the chat template. Thinking is off unless the request turns it on.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from server.protocol import APIError
-
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-
-
-def render_chat(tokenizer: Any, messages: list[dict], enable_thinking: bool = False) -> str:
-    """The prompt text for `messages`, ending with the assistant generation prompt (with an empty, closed think
-    block when thinking is off, an open one when it is on)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions", param="messages")
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=enable_thinking)
-    except Exception as exc:  # jinja raise_exception(...) and template errors: the messages do not fit it
-        raise APIError(f"the chat template rejected the messages: {str(exc)[:300]}", param="messages") from None
-
-
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of an already rendered prompt (special tokens in the text are parsed; nothing is added)."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class ReasoningSplitter:
