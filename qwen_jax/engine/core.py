@@ -411,8 +411,8 @@ def resolve_kernels(kernels: str) -> str:
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
     """Raise ValueError naming the problem when a request cannot be served by a model of this vocabulary and
-    context: every token id field is checked against the vocabulary here, at the edge, and a structured output's
-    grammar is parsed."""
+    context: every token id field is checked against the vocabulary here, at the edge. (A structured output's
+    grammar is checked where it is compiled, EngineCore.add_request.)"""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty")
     bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size]
@@ -424,8 +424,6 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     bad = [t for t in params.logit_bias or () if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if params.structured_outputs is not None:
-        grammar.check(params.structured_outputs)
     if len(prompt_token_ids) + params.max_tokens > max_model_len:
         raise ValueError(f"this model's maximum context length is {max_model_len} tokens; the request has "
                          f"{len(prompt_token_ids)} prompt tokens and asks for {params.max_tokens} more")

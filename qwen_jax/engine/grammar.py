@@ -34,7 +34,7 @@ def mask_words(vocab_size: int) -> int:
 
 def check(spec: StructuredOutputsParams) -> None:
     """Raise ValueError naming the problem when the spec's grammar does not parse (schema, regex, EBNF or
-    structural tag); needs no tokenizer, so the front calls it on every request."""
+    structural tag); needs no tokenizer, so a front can refuse a bad grammar before the core compiles it."""
     xgr = _xgrammar()
     kind, source = spec.kind, spec.source
     try:
