@@ -19,6 +19,7 @@ from qwen_jax.engine.model_files import (
     read_model_config,
     resolve_max_model_len,
     resolve_model,
+    resolve_path,
 )
 from qwen_jax.engine.output import OutputProcessor
 from qwen_jax.outputs import RequestOutput
@@ -44,8 +45,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         path = resolve_model(model)
+        if engine_args.get("tokenizer") is not None:
+            engine_args["tokenizer"] = resolve_path(engine_args["tokenizer"])
         self.engine = EngineCore(path, **engine_args)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or path)
         self.output = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -103,7 +106,7 @@ class AsyncLLM:
         self.model_path = model_path
         self.engine_args = engine_args
         self.warmup = warmup
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or model_path)
         # Read from the model files here, without a device: the core computes the same values.
         self.config: ModelConfig = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]))
         self.max_model_len = resolve_max_model_len(self.config, engine_args.get("max_model_len"))
@@ -121,6 +124,8 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, model: str | None = None, warmup: str = "auto", **given) -> AsyncLLM:
         engine_args(given)  # unknown names fail here, not in the core process
+        if given.get("tokenizer") is not None:
+            given["tokenizer"] = resolve_path(given["tokenizer"])
         return cls(resolve_model(model), given, warmup)
 
     def on_dead(self, callback) -> None:

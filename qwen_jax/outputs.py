@@ -31,6 +31,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    queue_seconds: float | None = None  # how long it waited in the engine's queue before it first ran
     error: Exception | None = None  # finish_reason "error": RequestRejected (the request's own fault) or RequestFailed
 
 

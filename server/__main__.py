@@ -1,7 +1,8 @@
 """`python -m server`: the OpenAI-compatible HTTP server's command line (vllm-serve flag names), served by Hypercorn.
 
-Parses flags, turns on JAX's persistent compilation cache, serves until SIGTERM/SIGINT and then drains; never exits
-non-zero after a clean shutdown, never zero when the model failed to load.
+Parses and checks the flags (model, tokenizer, template, port) before anything loads, turns on JAX's persistent
+compilation cache, serves until SIGTERM/SIGINT and then drains; a bad command line is one line on stderr, never a
+traceback; never exits non-zero after a clean shutdown, never zero when the model failed to load.
 """
 
 from __future__ import annotations
@@ -11,70 +12,171 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
+
+from qwen_jax.sampling_params import SamplingParams
+from server.version import version
 
 log = logging.getLogger("qwen_jax.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m server", description="qwen-jax OpenAI-compatible server")
-    p.add_argument("--model", default=None, help="HF model directory (default: the built-in tiny random model)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="name reported by /v1/models and in responses")
+    """The command line: vllm-serve's flag names; every flag's help ends with its default."""
+    from qwen_jax.engine.core import ENGINE_ARGS
+
+    def engine(name: str, text: str) -> str:
+        """Help for an engine flag, whose default is the engine's (ENGINE_ARGS) and is shown as such."""
+        return f"{text} (default: {ENGINE_ARGS[name]})"
+
+    p = argparse.ArgumentParser(prog="python -m server", description="qwen-jax OpenAI-compatible server "
+                                "(flags follow vllm serve)")
+    p.add_argument("--version", action="version", version=f"qwen-jax {version()}")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vllm serve takes it (the same as --model) (default: --model's)")
+    p.add_argument("--model", default=None,
+                   help="an HF model directory, or a hub id (org/name) already in the local Hugging Face cache "
+                        "(nothing is downloaded) (default: the built-in tiny random model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer directory or cached hub id other than the model's (default: the model's)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, or the template itself in one line (default: the tokenizer's)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vllm serve's command lines; not needed: no model code is ever loaded from a "
+                        "checkpoint (default: off)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on, checked before the model loads "
+                                                          "(default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name reported by /v1/models and in responses (default: the model directory's name)")
     p.add_argument("--api-key", default=os.environ.get("QWEN_JAX_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1, /invocations and /tokenize")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
-    p.add_argument("--enable-expert-parallel", action="store_true", default=None)
+                   help="require 'Authorization: Bearer KEY' on /v1, /invocations, /tokenize and /detokenize "
+                        "(default: $QWEN_JAX_API_KEY, else none)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help=engine("tensor_parallel_size", "devices each replica's weights are split over"))
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help=engine("data_parallel_size", "independent replicas, each on its own devices"))
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help=engine("enable_expert_parallel", "split the routed experts over the devices instead of "
+                                                         "each expert's weights"))
     p.add_argument("--num-hosts", type=int, default=None,
-                   help="processes (hosts) serving one model together, joined by jax.distributed (default "
-                        "$JAX_NUM_PROCESSES or 1); host 0 alone serves HTTP")
+                   help="processes (hosts) serving one model together, joined by jax.distributed; host 0 alone "
+                        "serves HTTP (default: $JAX_NUM_PROCESSES, else 1)")
     p.add_argument("--host-index", type=int, default=None,
-                   help="this host, 0..num-hosts-1 (default $JAX_PROCESS_ID or 0): 0 serves HTTP and schedules every "
-                        "step, the others serve no HTTP and run host 0's steps until it stops")
+                   help="this host, 0..num-hosts-1: 0 serves HTTP and schedules every step, the others serve no "
+                        "HTTP and run host 0's steps until it stops (default: $JAX_PROCESS_ID, else 0)")
     p.add_argument("--coordinator-address", default=None,
-                   help="host:port on host 0 for jax.distributed's coordinator (default $JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--load-format", choices=("auto", "dummy"), default=None)
-    p.add_argument("--dtype", default=None, help="auto, bfloat16, float16 or float32")
-    p.add_argument("--seed", type=int, default=None)
+                   help="host:port on host 0 for jax.distributed's coordinator (default: $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence, prompt and completion (default: the model's "
+                        "max_position_embeddings, at most 8192)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=engine("max_num_seqs", "sequences each replica runs at once"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=engine("max_num_batched_tokens", "tokens each replica runs in one step"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help=engine("gpu_memory_utilization", "fraction of device memory for weights and cache"))
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help=engine("enable_prefix_caching", "reuse the cache of a prompt's already computed prefix"))
+    p.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                   help=engine("load_format", "auto reads the checkpoint; dummy makes random weights of its shapes "
+                                              "(config.json alone is needed)"))
+    p.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
+                   help=engine("dtype", "weights' and activations' type; auto: the checkpoint's"))
+    p.add_argument("--seed", type=int, default=None,
+                   help=engine("seed", "seed of the random weights and of requests sent without one"))
     p.add_argument("--kernels", choices=("auto", "reference", "gpu"), default=None,
-                   help="hot ops as the GPU kernels of pallas_kernels/ (gpu), as jnp references (reference), or "
-                        "the kernels on a GPU and the references elsewhere (auto, the default)")
+                   help=engine("kernels", "hot ops as the GPU kernels of pallas_kernels/ (gpu), as jnp references "
+                                          "(reference), or the kernels on a GPU and the references elsewhere "
+                                          "(auto)"))
     p.add_argument("--warmup", choices=("auto", "minimal", "full"), default="auto",
                    help="step programs compiled before /health turns 200: 'full' compiles every token bucket up to "
-                        "--max-num-batched-tokens (auto: full on a GPU, minimal on the CPU)")
+                        "--max-num-batched-tokens; auto: full on a GPU, minimal on the CPU (default: %(default)s)")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps run in one program for batches of a few requests (default: 4 on a GPU, 1 "
                         "elsewhere)")
+    p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
+                   help="the most logprobs per token a request may ask for, at most the sampler's "
+                        f"{SamplingParams.MAX_LOGPROBS} (default: %(default)s)")
     p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+                   help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503 "
+                        "(default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies get 413 (default: %(default)s)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT nothing new is admitted and requests not started get 503; running ones "
                         "may take this many seconds to finish before each is ended with an error body (or an SSE "
-                        "error event and [DONE]); a second signal ends them at once")
+                        "error event and [DONE]); a second signal ends them at once (default: %(default)s)")
     p.add_argument("--compilation-cache-dir", default=os.environ.get("QWEN_JAX_COMPILATION_CACHE"),
-                   help="JAX persistent compilation cache (default ~/.cache/qwen_jax/jax_compilation_cache); "
-                        "'none' turns it off")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+                   help="JAX persistent compilation cache; 'none' turns it off (default: "
+                        "$QWEN_JAX_COMPILATION_CACHE, else ~/.cache/qwen_jax/jax_compilation_cache)")
+    p.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+                   help="no log line per request (method, path, status, latency) (default: one line each)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="the least severe log records written (default: %(default)s)")
     return p
 
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
                 "load_format", "dtype", "seed", "kernels", "num_scheduler_steps", "num_hosts", "host_index",
-                "coordinator_address")
+                "coordinator_address", "tokenizer")
 
 
 def engine_args(args: argparse.Namespace) -> dict:
     """The flags the engine takes, only those given (the engine's defaults apply to the rest)."""
     return {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+
+
+class UsageError(Exception):
+    """A command line that cannot be served: reported in one line, before anything loads."""
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Resolve the model, tokenizer and chat template and check the flags, before anything loads; a problem is a
+    UsageError."""
+    from qwen_jax.engine.model_files import ModelNotFound, resolve_path
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UsageError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    try:
+        if args.model is not None:
+            args.model = resolve_path(args.model)
+        if args.tokenizer is not None:
+            args.tokenizer = resolve_path(args.tokenizer)
+    except ModelNotFound as exc:
+        raise UsageError(str(exc)) from None
+    if args.chat_template is not None:
+        args.chat_template = read_chat_template(args.chat_template)
+    if not 0 <= args.max_logprobs <= SamplingParams.MAX_LOGPROBS:
+        raise UsageError(f"--max-logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}] (the sampler's limit), got "
+                         f"{args.max_logprobs}")
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's content, or the value itself when it is a template (has Jinja markup)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise UsageError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening address, taken now (before the model loads) and handed to Hypercorn; UsageError when taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SSE events go out as they come
+        sock.bind(address)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def enable_compilation_cache(path: str | None) -> str | None:
@@ -93,7 +195,7 @@ def enable_compilation_cache(path: str | None) -> str | None:
     return path
 
 
-async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
+async def serve(app, sock: socket.socket, graceful_timeout: float) -> int:
     """Serve `app` until SIGTERM/SIGINT (then drain: see ServerState.drain; a second signal cuts the wait short), a
     failed engine start or the engine core's death; returns the process exit code (non-zero for the last two, so
     that a supervisor restarts the server)."""
@@ -101,7 +203,7 @@ async def serve(app, host: str, port: int, graceful_timeout: float) -> int:
     from hypercorn.config import Config
 
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.bind = [f"fd://{sock.detach()}"]  # Hypercorn owns the socket from here
     config.backlog = 2048
     # Requests are drained before Hypercorn is told to stop (ServerState.drain): by then only answers being written
     # and idle connections are left for its own graceful shutdown.
@@ -172,9 +274,22 @@ def follow(model: str, args: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sharding import distributed
+
     args = build_parser().parse_args(argv)
+    args.num_hosts, args.host_index, args.coordinator_address = distributed.settings(
+        args.num_hosts, args.host_index, args.coordinator_address)
+    following = args.num_hosts > 1 and args.host_index > 0  # a host that runs host 0's steps and serves no HTTP
+    try:
+        check_args(args)
+        sock = None if following else bind_socket(args.host, args.port)
+    except UsageError as exc:
+        print(f"python -m server: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if args.trust_remote_code:
+        log.info("--trust-remote-code is not needed: qwen-jax runs its own model code, never a checkpoint's")
     cache = enable_compilation_cache(args.compilation_cache_dir)
     log.info("JAX compilation cache: %s", cache or "off")
     model = args.model
@@ -183,11 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = ensure_default_model()
         log.info("no --model given: serving the built-in default model at %s", model)
-    from sharding import distributed
-
-    args.num_hosts, args.host_index, args.coordinator_address = distributed.settings(
-        args.num_hosts, args.host_index, args.coordinator_address)
-    if args.num_hosts > 1 and args.host_index > 0:
+    if following:
         return follow(model, engine_args(args))
     from qwen_jax.llm import AsyncLLM
     from server.app import ServerConfig, create_app
@@ -197,9 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     running = (args.max_num_seqs or 64) * (args.data_parallel_size or 1)
     config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
                           max_num_seqs=running, max_queue_len=args.max_queue_len,
-                          max_body_bytes=args.max_request_bytes)
+                          max_body_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
+                          chat_template=args.chat_template, access_log=not args.disable_access_log)
     app = create_app(engine, config)
-    return asyncio.run(serve(app, args.host, args.port, args.graceful_timeout))
+    return asyncio.run(serve(app, sock, args.graceful_timeout))
 
 
 if __name__ == "__main__":

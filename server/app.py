@@ -18,6 +18,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from qwen_jax.llm import EngineDead
+from server.access_log import AccessLog
 from server.body_limit import BodyLimit
 from server.metrics import CONTENT_TYPE
 from server.openapi import openapi_document
@@ -25,6 +26,7 @@ from server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -40,7 +42,7 @@ from server.version import version
 
 log = logging.getLogger("qwen_jax.server")
 
-PROTECTED_PREFIXES = ("/v1/", "/invocations", "/tokenize")
+PROTECTED_PREFIXES = ("/v1/", "/invocations", "/tokenize", "/detokenize")
 
 
 def _json(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
@@ -60,6 +62,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
     app = Quart("qwen_jax_server")
     app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60)
     app.asgi_app = BodyLimit(app.asgi_app, config.max_body_bytes)
+    if config.access_log:
+        app.asgi_app = AccessLog(app.asgi_app)
     state = ServerState(engine, config)
     app.extensions["qwen_jax"] = state
     chat = ChatServing(state)
@@ -147,11 +151,24 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
     app.add_url_rule("/health", "health", health, methods=["GET"])
     app.add_url_rule("/ping", "ping", health, methods=["GET"])
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "qwen-jax",
+                "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "qwen-jax",
-            "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}]})
+        return _json({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        if model_id != state.model_name:
+            raise APIError(f"The model '{model_id}' does not exist (this server serves '{state.model_name}')",
+                           status=404, param="model", code="model_not_found")
+        return _json(model_card())
+
+    @app.get("/version")
+    async def server_version() -> Response:
+        return _json({"version": version()})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -172,7 +189,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
         body = parse_json(await request.get_data())
         req = typed(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
         if isinstance(req, TokenizeChatRequest):
-            ids = chat_prompt_ids(state.tokenizer, req)
+            ids = chat_prompt_ids(state.tokenizer, req, config.chat_template)
         elif isinstance(req.prompt, str):
             ids = list(state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
@@ -181,6 +198,11 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
         if req.return_token_strs:
             result["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
         return _json(result)
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        req = typed(DetokenizeRequest, parse_json(await request.get_data()))
+        return _json({"prompt": state.tokenizer.decode(req.tokens)})
 
     # ---- generation ----
 

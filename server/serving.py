@@ -37,6 +37,8 @@ class ServerConfig:
     max_queue_len: int = 1024  # engine requests allowed to wait beyond max_num_seqs; more get 503
     max_body_bytes: int = 4 * 1024 * 1024
     max_logprobs: int = 20  # the most logprobs per token a request may ask for (the sampler's limit)
+    chat_template: str | None = None  # None: the tokenizer's
+    access_log: bool = True  # a log line per request
 
 
 class ServerState:
@@ -50,7 +52,7 @@ class ServerState:
         self.in_flight = 0  # engine requests admitted and not yet finished
         self.start_error: str | None = None
         self.start_task: asyncio.Task | None = None
-        self.metrics = ServerMetrics(engine.stats, lambda: self.in_flight)
+        self.metrics = ServerMetrics(engine.stats, lambda: self.in_flight, self.model_name, engine.max_model_len)
         self.token_texts = TokenTexts(engine.tokenizer)
         self.vocab_size = engine.config.vocab_size  # every token id a request sends is checked against it
         self._ignored: set[tuple[str, str]] = set()
@@ -203,7 +205,8 @@ class ChoiceFanout:
                 self.queue.put_nowait((job, out))
             if last is not None:
                 self.state.metrics.observe_sequence(last.finish_reason or "", len(job.prompt_ids),
-                                                    len(last.token_ids), start, first, time.monotonic())
+                                                    len(last.token_ids), start, first, time.monotonic(),
+                                                    last.queue_seconds)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaced to the route by next()

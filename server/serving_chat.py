@@ -17,24 +17,25 @@ from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts
 from server.tools import ToolCall, ToolParser, call_format, forcing_tag
 
 
-def render_chat(tokenizer: Any, req: _ChatPrompt) -> str:
-    """The prompt text of a conversation: by default ending with the assistant generation prompt (with an empty,
-    closed think block when thinking is off, an open one when it is on). The request's chat_template_kwargs, unknown
-    ones included, reach the template as variables."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions", param="messages")
+def render_chat(tokenizer: Any, req: _ChatPrompt, template: str | None = None) -> str:
+    """The prompt text of a conversation, by `template` (None: the tokenizer's): by default ending with the assistant
+    generation prompt (with an empty, closed think block when thinking is off, an open one when it is on). The
+    request's chat_template_kwargs, unknown ones included, reach the template as variables."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template (--chat-template gives one); use /v1/completions",
+                       param="messages")
     messages, kwargs = req.template_messages(), req.template_kwargs()
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message, **kwargs)
     except Exception as exc:  # jinja raise_exception(...) and template errors: the messages do not fit it
         raise APIError(f"the chat template rejected the messages: {str(exc)[:300]}", param="messages") from None
 
 
-def chat_prompt_ids(tokenizer: Any, req: _ChatPrompt) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, req: _ChatPrompt, template: str | None = None) -> list[int]:
     """The token ids of the rendered conversation (special tokens in the text are parsed)."""
-    return list(tokenizer.encode(render_chat(tokenizer, req), add_special_tokens=req.add_special_tokens))
+    return list(tokenizer.encode(render_chat(tokenizer, req, template), add_special_tokens=req.add_special_tokens))
 
 
 def chat_logprobs(token_texts: TokenTexts, items: list[TokenLogprob]) -> dict:
@@ -114,7 +115,7 @@ class ChatServing(Serving):
     prompt_param = "messages"
 
     def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
-        return [Prompt(chat_prompt_ids(self.state.tokenizer, req), "")]
+        return [Prompt(chat_prompt_ids(self.state.tokenizer, req, self.state.config.chat_template), "")]
 
     def writer(self, req: ChatCompletionRequest, prompt: Prompt) -> ChoiceWriter:
         return ChatChoice(self.state.token_texts, req)
@@ -130,7 +131,7 @@ class ChatServing(Serving):
         if req.constraint() is not None:
             raise APIError("a forced tool call ('tool_choice' 'required' or a named function) cannot be combined "
                            "with 'response_format' or 'structured_outputs'", param="tool_choice")
-        fmt = call_format(getattr(self.state.tokenizer, "chat_template", None))
+        fmt = call_format(self.state.config.chat_template or getattr(self.state.tokenizer, "chat_template", None))
         if fmt is None:
             raise APIError("this model's chat template renders no tools, so no tool call can be forced: use "
                            "'tool_choice' 'auto' or 'none'", param="tool_choice")

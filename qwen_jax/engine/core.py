@@ -42,6 +42,7 @@ ENGINE_ARGS = dict(
     enable_expert_parallel=False,
     load_format="auto",  # "auto": read the checkpoint; "dummy": random weights with the real shapes
     dtype="auto",
+    tokenizer=None,  # a tokenizer directory (or hub id in the local cache) other than the model's
     kernels="auto",  # "gpu": the kernels of pallas_kernels/ for the ops that have one; "reference": the jnp ops;
     # "auto": the kernels on a GPU, the references elsewhere
     seed=0,
@@ -84,6 +85,7 @@ class CoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # finish_reason "error": what went wrong with this request alone
     rejected: bool = False  # the error is the request's own (refused on arrival), not a failure while it ran
+    queue_seconds: float | None = None  # how long it waited to be first scheduled
 
 
 @dataclasses.dataclass
@@ -120,7 +122,7 @@ class EngineCore:
                  "the jnp references", args["kernels"])
         cfg = self.cfg = read_model_config(model_path, args["dtype"]).with_kernels(kernels)
         ops_for_mesh(cfg, replica_meshes[0])  # a head layout the partitioned ops cannot split fails here, not mid-step
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = load_tokenizer(args["tokenizer"] or model_path)
         self.eos_token_ids = eos_ids(model_path, cfg, tokenizer)
         self.grammars = grammar.GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
@@ -336,7 +338,7 @@ class EngineCore:
         params, token = seq.params, seq.output_token_ids[-1]
         enough = len(seq.output_token_ids) >= params.min_tokens
         eos = token in self.eos_token_ids and not params.ignore_eos and enough
-        out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens)
+        out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens, queue_seconds=seq.queue_seconds)
         if eos or (token in params.stop_token_ids and enough):
             out.finish_reason, out.stop_reason, out.eos = "stop", token, eos
         elif seq.grammar is not None and seq.grammar.is_terminated:  # its stop token: nothing more may follow

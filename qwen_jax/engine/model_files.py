@@ -13,15 +13,36 @@ from qwen_jax.config import ModelConfig, from_hf_dict
 from qwen_jax.weights import open_checkpoint
 
 
+class ModelNotFound(FileNotFoundError):
+    """A model (or tokenizer) name that is neither a local path nor in the local Hugging Face cache."""
+
+
 def resolve_model(model: str | None) -> str:
-    """A model directory (or llama2.c .bin); None means the small built-in default model."""
+    """A model directory (or llama2.c .bin), or a Hugging Face hub id found in the local HF cache; None means the small
+    built-in default model."""
     if model is None:
         from qwen_jax.default_model import ensure_default_model
 
         return ensure_default_model()
-    if not os.path.exists(model):
-        raise FileNotFoundError(f"model path {model!r} does not exist (no model hub access: give a local directory)")
-    return model
+    return resolve_path(model)
+
+
+def resolve_path(name: str) -> str:
+    """A local path as it is, or the directory of a hub id ("Qwen/Qwen3.5-4B") in the local Hugging Face cache
+    ($HF_HOME): nothing is ever downloaded. Raises ModelNotFound (one line) when neither holds."""
+    if os.path.exists(name):
+        return name
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except HFValidationError:
+        raise ModelNotFound(f"{name!r} is neither a local path nor a Hugging Face hub id") from None
+    except LocalEntryNotFoundError:
+        raise ModelNotFound(f"{name!r} is not a local path and not in the Hugging Face cache "
+                            f"({constants.HF_HUB_CACHE}); this server never downloads: fetch it first "
+                            f"(hf download {name}) or give its directory") from None
 
 
 def _read_config(model_path: str) -> dict:

@@ -29,6 +29,7 @@ class RequestState:
     sent_tokens: int = 0  # already reported
     sent_chars: int = 0
     num_cached_tokens: int = 0
+    queue_seconds: float | None = None
     arrival_time: float = dataclasses.field(default_factory=time.time)
     first_token_time: float | None = None
 
@@ -59,6 +60,7 @@ class OutputProcessor:
                 results.append(self._output(state, "error", error=error))
                 continue
             state.num_cached_tokens = out.num_cached_tokens
+            state.queue_seconds = out.queue_seconds
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
             stop_string = self._add_tokens(state, out)
@@ -106,7 +108,7 @@ class OutputProcessor:
             delta_text=state.text[state.sent_chars:], finished=finished, finish_reason=finish_reason,
             stop_reason=stop_reason, logprobs=state.logprobs, num_cached_tokens=state.num_cached_tokens,
             arrival_time=state.arrival_time, first_token_time=state.first_token_time,
-            finish_time=time.time() if finished else None, error=error)
+            finish_time=time.time() if finished else None, queue_seconds=state.queue_seconds, error=error)
         state.sent_tokens, state.sent_chars = len(state.token_ids), len(state.text)
         if finished:
             del self.requests[state.request_id]

@@ -147,4 +147,5 @@ class Replica:
             "state_slots_used": slots.num_slots - 1 - slots.num_free, "state_slots_total": slots.num_slots - 1,
             "prefix_cache_queries": cache.queries if cache else 0, "prefix_cache_hits": cache.hits if cache else 0,
             "step_device_wait_seconds_total": self.runner.device_wait_seconds,
+            "num_preemptions_total": s.num_preemptions,
         }

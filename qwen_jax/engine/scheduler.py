@@ -9,6 +9,7 @@ device still runs this one.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 
 from qwen_jax.engine.memory import BlockPool, SlotPool
@@ -52,6 +53,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since the start, for the metrics
 
     # ---- queue -----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -110,6 +112,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     # ---- one step ----------------------------------------------------------------------------------------------
@@ -160,6 +163,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot = self.slots.allocate()
             seq.status = Status.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.time()
             self.running.append(seq)
             row = self._row(seq, n)
             row.admitted, row.restore_snapshot = True, restore

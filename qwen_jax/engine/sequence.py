@@ -34,6 +34,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.arrival_time = time.time()
+        self.scheduled_time: float | None = None  # first admitted to the running batch
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
@@ -65,6 +66,11 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """How long it waited for its first admission (None while it has never run)."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
 
     @property
     def is_finished(self) -> bool:

@@ -22,8 +22,11 @@ def test_preemption_under_a_small_pool_loses_nothing(engines, kit, monkeypatch):
         original(seq)
 
     monkeypatch.setattr(scheduler, "_preempt", counting)
+    counted = llm.engine.stats()["num_preemptions_total"]
     outs = llm.generate(prompts, params)
     assert preempted, "the pool was large enough: the test no longer exercises preemption"
+    assert llm.engine.stats()["num_preemptions_total"] - counted == len(preempted)  # what /metrics reports
+    assert all(o.queue_seconds is not None and o.queue_seconds >= 0 for o in outs)
     assert all(n > 0 for _, n in preempted)  # preempted mid-decode, with generated tokens to recompute
     assert [o.token_ids for o in outs] == alone
     assert all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in outs)

@@ -21,8 +21,11 @@ def scrape(server) -> dict:
     return samples
 
 
+MODEL = {"model_name": "qwen-jax-test"}
+
+
 def value(samples: dict, name: str, **labels) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    return samples.get((name, tuple(sorted({**MODEL, **labels}.items()))), 0.0)
 
 
 def test_metrics_parse_and_follow_traffic(server):
@@ -34,24 +37,30 @@ def test_metrics_parse_and_follow_traffic(server):
         assert code == 200
     wait_idle(server)
     after = scrape(server)
+
+    def grew(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
     prompt = data["usage"]["prompt_tokens"]
-    ok = dict(endpoint="/v1/completions", status="200")
-    assert value(after, "qwen_jax_http_requests_total", **ok) - value(before, "qwen_jax_http_requests_total", **ok) \
-        == 2
-    assert value(after, "qwen_jax_request_generation_tokens_total") - \
-        value(before, "qwen_jax_request_generation_tokens_total") == 10
-    assert value(after, "qwen_jax_request_prompt_tokens_total") - \
-        value(before, "qwen_jax_request_prompt_tokens_total") == 2 * prompt
-    assert value(after, "qwen_jax_generation_tokens_total") - value(before, "qwen_jax_generation_tokens_total") >= 10
-    assert value(after, "qwen_jax_time_to_first_token_seconds_count") - \
-        value(before, "qwen_jax_time_to_first_token_seconds_count") == 2
+    assert all(dict(labels)["model_name"] == "qwen-jax-test" for _, labels in after), "a series without model_name"
+    assert grew("qwen_jax_http_requests_total", endpoint="/v1/completions", status="200") == 2
+    assert grew("qwen_jax_request_generation_tokens_sum") == 10
+    assert grew("qwen_jax_request_generation_tokens_count") == 2
+    assert grew("qwen_jax_request_generation_tokens_bucket", le="5.0") == 2  # 5 tokens each
+    assert grew("qwen_jax_request_generation_tokens_bucket", le="2.0") == 0
+    assert grew("qwen_jax_request_prompt_tokens_sum") == 2 * prompt
+    assert grew("qwen_jax_request_prompt_tokens_count") == 2
+    assert grew("qwen_jax_request_queue_time_seconds_count") == 2
+    assert 0 <= grew("qwen_jax_request_queue_time_seconds_sum") < grew("qwen_jax_e2e_request_latency_seconds_sum")
+    assert grew("qwen_jax_generation_tokens_total") >= 10
+    assert grew("qwen_jax_time_to_first_token_seconds_count") == 2
     assert value(after, "qwen_jax_time_per_output_token_seconds_count") > 0
     assert value(after, "qwen_jax_request_success_total", finish_reason="length") >= 2
+    assert ("qwen_jax_num_preemptions_total", tuple(MODEL.items())) in after
     # two requests of 5 tokens: at least 5 steps (they may share steps), each with some device wait inside it
-    steps = value(after, "qwen_jax_engine_steps_total") - value(before, "qwen_jax_engine_steps_total")
-    seconds = value(after, "qwen_jax_engine_step_seconds_total") - value(before, "qwen_jax_engine_step_seconds_total")
-    waited = value(after, "qwen_jax_engine_step_device_wait_seconds_total") - \
-        value(before, "qwen_jax_engine_step_device_wait_seconds_total")
+    steps = grew("qwen_jax_engine_steps_total")
+    seconds = grew("qwen_jax_engine_step_seconds_total")
+    waited = grew("qwen_jax_engine_step_device_wait_seconds_total")
     assert 5 <= steps <= 12 and 0 < waited < seconds
     assert value(after, "qwen_jax_num_requests_running") == 0 and value(after, "qwen_jax_num_requests_waiting") == 0
     assert value(after, "qwen_jax_kv_blocks_total") > 0 and value(after, "qwen_jax_state_slots_total") > 0
@@ -60,4 +69,17 @@ def test_metrics_parse_and_follow_traffic(server):
     for name in ("qwen_jax_prefix_cache_queries_total", "qwen_jax_prefix_cache_hits_total",
                  "qwen_jax_state_cache_usage_perc", "qwen_jax_server_requests_in_flight",
                  "qwen_jax_e2e_request_latency_seconds_count"):
-        assert (name, ()) in after, name
+        assert (name, tuple(MODEL.items())) in after, name
+
+
+def test_every_metric_is_in_the_table_of_vllm_names(server):
+    """server/README.md maps each metric to vLLM's name: a metric added without a row fails here."""
+    from pathlib import Path
+
+    table = (Path(__file__).resolve().parents[2] / "server" / "README.md").read_text()
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        # (prometheus_client adds a `_created` timestamp series beside each counter and histogram)
+        families = {f.name for f in text_string_to_metric_families(resp.read().decode())
+                    if not f.name.endswith("_created")}
+    missing = [name for name in families if f"`{name}`" not in table and f"`{name}_total`" not in table]
+    assert not missing, missing

@@ -317,14 +317,9 @@ def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(
     from server.protocol import TokenizeChatRequest, validate
     from server.serving_chat import render_chat
 
-    class Template:  # the model's tokenizer with a template that reads a variable no request field has
-        chat_template = "{{ greeting }}{% for m in messages %}|{{ m.content }}{% endfor %}"
-
-        def apply_chat_template(self, messages, **kwargs):
-            return tokenizer.apply_chat_template(messages, chat_template=self.chat_template, **kwargs)
-
+    template = "{{ greeting }}{% for m in messages %}|{{ m.content }}{% endfor %}"
     req = validate(TokenizeChatRequest, {"messages": USER, "chat_template_kwargs": {"greeting": "hello"}})
-    assert render_chat(Template(), req) == "hello|hi"
+    assert render_chat(tokenizer, req, template) == "hello|hi"  # a variable no request field has
     status, _, body = http_json("POST", server.url + CHAT, {"messages": USER,
                                                            "chat_template_kwargs": {"tokenize": True}})
     assert_400_naming(status, body, "chat_template_kwargs.tokenize")

@@ -1,0 +1,160 @@
+"""The vLLM-compatible surface: every flag has help and a default; a bad command line (a hub id not in the local
+cache, a port in use) is one line on stderr before anything loads; a server started from a hub id in the local
+Hugging Face cache with --tokenizer, --chat-template, --max-logprobs, --trust-remote-code and --disable-access-log
+honours each; /version, /v1/models/{name}, /detokenize and the access log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from server_harness import START_TIMEOUT_S, free_port, http_json, server_command, wait_for
+
+from server.__main__ import build_parser
+from server.version import version
+
+REPO = Path(__file__).resolve().parents[2]
+USER = [{"role": "user", "content": "hi"}]
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_every_flag_has_help_that_states_its_default():
+    for action in build_parser()._actions:
+        if action.dest in ("help", "version"):
+            continue
+        assert action.help and "default" in action.help % {"default": action.default}, action.option_strings
+
+
+def test_version_flag_prints_the_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"qwen-jax {version()}"
+
+
+@pytest.mark.parametrize("model", [["--model", "Qwen/Qwen3.5-4B"], ["Qwen/Qwen3.5-4B"]], ids=["flag", "positional"])
+def test_a_hub_id_missing_from_the_local_cache_is_one_line_and_a_non_zero_exit(tmp_path, model):
+    result = run_cli(*model, "--port", str(free_port()), env={"HF_HOME": str(tmp_path)})
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "'Qwen/Qwen3.5-4B' is not a local path and not in the Hugging Face cache" in lines[0]
+    assert str(tmp_path) in lines[0]
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(default_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("--model", default_model_dir, "--host", "127.0.0.1", "--port", str(port))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"python -m server: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-logprobs", "21"], "--max-logprobs must be in [0, 20]"),
+    (["--chat-template", "no-such-template.jinja"], "is neither a file nor a Jinja template"),
+    (["--tokenizer", "./no/such/dir"], "is neither a local path nor a Hugging Face hub id"),
+])
+def test_bad_flags_are_one_line(args, message):
+    result = run_cli(*args, "--port", str(free_port()))
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1
+    assert message in result.stderr
+
+
+@pytest.fixture
+def hub_cache(tmp_path, default_model_dir) -> Path:
+    """A Hugging Face cache ($HF_HOME) holding the default model as the hub id qwen-jax/tiny."""
+    repo = tmp_path / "hf" / "hub" / "models--qwen-jax--tiny"
+    snapshot = repo / "snapshots" / "0123456789abcdef"
+    shutil.copytree(default_model_dir, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    return tmp_path / "hf"
+
+
+def test_a_server_from_a_cached_hub_id_honours_its_flags(tmp_path, hub_cache, compilation_cache_dir):
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ greeting }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = server_command(port, "qwen-jax/tiny", compilation_cache_dir, "--tokenizer", "qwen-jax/tiny",
+                             "--chat-template", str(template), "--max-logprobs", "3", "--trust-remote-code",
+                             "--served-model-name", "org/tiny", "--disable-access-log")
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "HF_HOME": str(hub_cache)})
+    try:
+        def healthy() -> bool:
+            assert server.poll() is None, log_path.read_text()
+            try:
+                return http_json("GET", url + "/health", timeout=5)[0] == 200
+            except OSError:
+                return False
+
+        wait_for(healthy, START_TIMEOUT_S, "the server to start")
+        status, _, body = http_json("POST", url + "/tokenize", {"messages": USER,
+                                                                "chat_template_kwargs": {"greeting": "Hello"}})
+        assert status == 200
+        status, _, text = http_json("POST", url + "/detokenize", {"tokens": body["tokens"]})
+        assert text["prompt"] == "Hello<user>hi"  # the --chat-template file, with a variable only it knows
+        status, _, body = http_json("POST", url + "/v1/chat/completions",
+                                    {"messages": USER, "max_tokens": 2, "logprobs": True, "top_logprobs": 3})
+        assert status == 200 and len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+        status, _, body = http_json("POST", url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "logprobs": 4})
+        assert status == 400 and body["error"]["param"] == "logprobs" and "--max-logprobs" in body["error"]["message"]
+        status, _, body = http_json("GET", url + "/v1/models/org/tiny")
+        assert status == 200 and body["id"] == "org/tiny"
+    finally:
+        server.terminate()
+        server.wait(60)
+    text = log_path.read_text()
+    assert "--trust-remote-code is not needed" in text
+    assert "hub/models--qwen-jax--tiny/snapshots/0123456789abcdef" in text  # the model came from the cache
+    assert "qwen_jax.access" not in text  # --disable-access-log
+    assert "Traceback" not in text
+
+
+def test_version_model_card_and_detokenize(server, tokenizer):
+    status, _, body = http_json("GET", server.url + "/version")
+    assert (status, body) == (200, {"version": version()})
+    status, _, card = http_json("GET", server.url + "/v1/models/qwen-jax-test")
+    assert status == 200 and card["id"] == "qwen-jax-test" and card["object"] == "model"
+    status, _, body = http_json("GET", server.url + "/v1/models/someone-else")
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    ids = tokenizer.encode("Once upon a time")
+    status, _, body = http_json("POST", server.url + "/detokenize", {"tokens": ids})
+    assert (status, body) == (200, {"prompt": "Once upon a time"})
+    for bad in (-1, 517, 2 ** 31):
+        status, _, body = http_json("POST", server.url + "/detokenize", {"tokens": [1, bad]})
+        assert status == 400 and body["error"]["param"] == "tokens[1]"
+    status, _, body = http_json("POST", server.url + "/tokenize", {"prompt": ids, "return_token_strs": True})
+    assert body["tokens"] == ids and body["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+
+
+def test_each_request_gets_an_access_log_line(server, caplog):
+    probe = f"/v1/models/probe-{uuid.uuid4().hex}"  # a path no other request uses
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "qwen_jax.access" and probe in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="qwen_jax.access"):
+        http_json("GET", server.url + probe)
+        http_json("POST", server.url + probe, {"x": 1})
+        wait_for(lambda: len(lines()) == 2, 10, "two access-log lines")  # written once the last byte is sent
+    get, post = lines()
+    assert get.startswith("127.0.0.1:") and f'"GET {probe} HTTP/1.1" 404 ' in get and get.endswith(" ms")
+    assert f'"POST {probe} HTTP/1.1" 405 ' in post
