@@ -7,12 +7,13 @@ Builds prompts and choice fields only; the engine requests and the stream are se
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from qwen_jax.outputs import RequestOutput, TokenLogprob
 from qwen_jax.sampling_params import StructuredOutputsParams
 from server.protocol import APIError, ChatCompletionRequest, _ChatPrompt
-from server.reasoning import ReasoningSplitter
+from server.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
 from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts
 from server.tools import ToolCall, ToolParser, call_format, forcing_tag
 
@@ -125,9 +126,13 @@ class ChatServing(Serving):
 
     def constraint(self, req: ChatCompletionRequest) -> tuple[StructuredOutputsParams, str] | None:
         """response_format / structured_outputs, or for tool_choice "required" or a named function the grammar of
-        a call in the format the chat template teaches (xgrammar's structural tag)."""
+        a call in the format the chat template teaches (xgrammar's structural tag). With thinking on, the
+        constraint starts once the think block is closed."""
         if not forces_tool(req):
-            return super().constraint(req)
+            found = super().constraint(req)
+            if found is None or not req.enable_thinking or found[0].kind == "structural_tag":
+                return found
+            return after_thinking(found[0]), found[1]
         if req.constraint() is not None:
             raise APIError("a forced tool call ('tool_choice' 'required' or a named function) cannot be combined "
                            "with 'response_format' or 'structured_outputs'", param="tool_choice")
@@ -143,6 +148,25 @@ class ChatServing(Serving):
             raise APIError(f"the tools cannot be made into a grammar: {str(exc).strip().splitlines()[0][:300]}",
                            param="tools") from None
         return StructuredOutputsParams(structural_tag=tag), "tools"
+
+
+def after_thinking(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """The spec's grammar after a think block the prompt has opened: free reasoning up to `</think>`, then the
+    blank line the template puts there, then the constrained reply (an xgrammar structural tag)."""
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        schema = json.loads(spec.source)
+        # no whitespace run longer than the one space of ", " and ": " (a structural tag has no whitespace switch)
+        reply = {"type": "json_schema", "json_schema": schema,
+                 **({"max_whitespace_cnt": 1} if spec.disable_any_whitespace else {})}
+    elif kind == "regex":
+        reply = {"type": "regex", "pattern": spec.regex}
+    else:  # grammar, choice: EBNF
+        reply = {"type": "grammar", "grammar": spec.source}
+    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
+                "end": THINK_CLOSE}
+    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
+        "type": "sequence", "elements": [thinking, {"type": "const_string", "value": "\n\n"}, reply]}})
 
 
 def forces_tool(req: ChatCompletionRequest) -> bool:

@@ -50,6 +50,20 @@ def test_regex_and_choice_constrain_completions_streamed_or_not(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) in ("left", "right")
 
 
+def test_with_thinking_on_the_constraint_starts_after_the_think_block(client, tokenizer):
+    close = tokenizer.convert_tokens_to_ids("</think>")
+    for kind, check in (({"regex": "[a-c]{3}"}, lambda text: re.fullmatch("[a-c]{3}", text)),
+                        ({"json": SCHEMA, "disable_any_whitespace": True},
+                         lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None)):
+        reply = client.chat.completions.create(
+            model="m", messages=USER, max_tokens=60, temperature=1.0, seed=0,
+            logit_bias={str(close): 6},  # the random model closes its think block soon
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}, "structured_outputs": kind})
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "stop" and check(message.content), message
+        assert isinstance(message.model_extra["reasoning_content"], str)
+
+
 def test_logit_bias_forces_and_bans_tokens(client, tokenizer):
     token = tokenizer.encode("a", add_special_tokens=False)[0]
     forced = client.completions.create(model="m", prompt="Hello", max_tokens=4, temperature=1.0,
