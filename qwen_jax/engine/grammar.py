@@ -1,6 +1,6 @@
-"""Structured outputs through xgrammar: a request's StructuredOutputsParams checked (front and core) and compiled
-into a grammar, one matcher per constrained request in the core that fills its row of the token bitmask and advances
-with each token read back.
+"""Structured outputs through xgrammar: a request's StructuredOutputsParams parsed (`check`, for a front that wants to
+refuse a bad grammar early) and compiled in the core into one matcher per constrained request, which fills its row
+of the token bitmask and advances with each token read back.
 
 xgrammar (and the torch it imports) is imported on the first constrained request only. Nothing here touches a
 device: the bitmask is host data the sampler applies (engine/sampler.py).
@@ -9,7 +9,6 @@ device: the bitmask is host data the sampler applies (engine/sampler.py).
 from __future__ import annotations
 
 import re
-import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -96,7 +95,6 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher of the spec's grammar; ValueError naming the problem when it does not compile."""
@@ -119,19 +117,18 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {_message(exc)}") from None
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        with self._lock:
-            if self._compiler is None:
-                if self.tokenizer is None:
-                    raise ValueError("structured outputs need the model's tokenizer, and this model has none")
-                xgr = _xgrammar()
-                # xgrammar detects how the entries encode bytes; the vocabulary it then reads is ours
-                detected = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                              stop_token_ids=self.stop_token_ids)
-                info = xgr.TokenizerInfo.from_vocab_and_metadata(_encoded_vocab(self.tokenizer, self.vocab_size),
-                                                                 detected.dump_metadata())
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
-                                                     cache_limit_bytes=CACHE_LIMIT_BYTES)
-            return self._compiler
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            xgr = _xgrammar()
+            # xgrammar detects how the entries encode bytes; the vocabulary it then reads is ours
+            detected = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+            info = xgr.TokenizerInfo.from_vocab_and_metadata(_encoded_vocab(self.tokenizer, self.vocab_size),
+                                                             detected.dump_metadata())
+            self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
+                                                 cache_limit_bytes=CACHE_LIMIT_BYTES)
+        return self._compiler
 
 
 def _encoded_vocab(tokenizer, vocab_size: int) -> list[str]:
