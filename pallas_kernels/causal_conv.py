@@ -18,9 +18,9 @@ Requests (`_request_kernel`): one program per (request, channel block), the cach
   after the first launch has read the old states. Padding requests (no tokens) read and write nothing.
 
 The arithmetic and tiles (64 x 64 tokens x channels, 256 channels a request) are those measured on an H200 for the
-row layout (BENCH_H200.md, eighteenth session: about 2 TB/s for long prefills, 2-4 us a decode step). On the CPU the
-tests run these kernels under Triton's interpreter; qwen_jax/layers/ops.py takes the reference where jax-triton
-cannot run.
+row layout (`python -m qwen_jax.bench.kernels --only causal_conv`: about 2 TB/s for long prefills, 2-4 us a decode
+step). On the CPU the tests run these kernels under Triton's interpreter; qwen_jax/layers/ops.py
+takes the reference where jax-triton cannot run.
 """
 
 from __future__ import annotations

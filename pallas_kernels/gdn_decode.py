@@ -8,11 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-L2_EPS = 1e-6  # as layers.gated_deltanet.l2_normalize
-
-
-def _softplus(x):  # stable log(1 + e^x) from ops every Pallas backend lowers
-    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+from pallas_kernels.gdn_math import L2_EPS, softplus
 
 
 def _kernel(start_ref, len_ref, slots_ref, fresh_ref, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref,
@@ -36,7 +32,7 @@ def _kernel(start_ref, len_ref, slots_ref, fresh_ref, q_ref, k_ref, v_ref, a_ref
         v = v_ref[t, h, cols].astype(jnp.float32)  # [block_v]
         b = b_ref[t, h]
         beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(b.dtype).astype(jnp.float32)
-        dt = _softplus(a_ref[t, h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32))
+        dt = softplus(a_ref[t, h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32))
         decay = jnp.exp(-jnp.exp(a_log_ref[h].astype(jnp.float32)) * dt)
 
         s = state_ref[slot, h, :, cols]  # [dk, block_v] float32; a fresh request starts from zeros
@@ -49,7 +45,7 @@ def _kernel(start_ref, len_ref, slots_ref, fresh_ref, q_ref, k_ref, v_ref, a_ref
 
 def default_block_v(dv: int) -> int:
     """min(64, dv): in the 35B-A3B decode step on an H200, 64 columns took 74 us a layer at 64 rows (3.6 TB/s of state
-    traffic) against 84 us with 32, and 18.1 against 18.7 us at 16 rows (BENCH_H200.md)."""
+    traffic) against 84 us with 32, and 18.1 against 18.7 us at 16 rows)."""
     return min(64, dv)
 
 

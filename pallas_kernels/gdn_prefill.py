@@ -30,7 +30,8 @@ Why: the chunk loop is the only part that cannot run in parallel, and on one lon
 for (one program per value block and head: 128 at 35B-A3B shapes with 32 columns). Keeping the inverse, the gates,
 the key norms and the scores out of it leaves four dots a chunk, two of them on the chain. The price is HBM
 traffic: w, u, k_end (C x d each) and the scores (C x C) written in the dot operands' dtype and read back. (fla
-splits in three, with the chunk states through HBM; so did this module up to its sixteenth session: BENCH_H200.md.)
+splits in three, with the chunk states through HBM; on an H200 these two launches beat such a three-launch split at
+every prompt count measured, 2,671 against 2,974 us at 64 x 1,024.)
 
 The inverse: unit-lower-triangular, by block doubling on the [C, C] tile of a chunk of up to SUB_BLOCK tokens; a
 longer chunk solves its sub-blocks in order by forward substitution (`_prepare_kernel`). With X_s the inverse of the
@@ -63,7 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.gdn_decode import L2_EPS, _softplus
+from pallas_kernels.gdn_math import L2_EPS, softplus
 
 F32 = jnp.float32
 
@@ -85,7 +86,7 @@ def _gates(a_ref, b_ref, a_log_ref, dt_bias_ref, h, tok, live) -> tuple[jax.Arra
     a = pltriton.load(a_ref.at[tok, h], mask=live, other=0.0).astype(F32)
     b = pltriton.load(b_ref.at[tok, h], mask=live, other=0.0)
     beta = jax.nn.sigmoid(b.astype(F32)).astype(b.dtype).astype(F32)  # rounded to b's dtype, as HF does
-    g = -jnp.exp(a_log_ref[h].astype(F32)) * _softplus(a + dt_bias_ref[h].astype(F32))
+    g = -jnp.exp(a_log_ref[h].astype(F32)) * softplus(a + dt_bias_ref[h].astype(F32))
     return jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
 
 
@@ -115,7 +116,7 @@ def _unit_lower_inverse(strict: jax.Array, precision) -> jax.Array:
 
 # The prepare launch solves the WY system in sub-blocks of this many tokens, so a chunk of 64 (only when asked for:
 # the defaults are chunks of 32) as two (H200, one 4,096-token prompt, the launch alone: 131 us with one 64-wide
-# inverse, 77 us for chunks of 32; BENCH_H200.md, thirteenth session).
+# inverse, 77 us for chunks of 32).
 SUB_BLOCK = 32
 
 
@@ -239,8 +240,8 @@ def _recurrence_kernel(start_ref, len_ref, slots_ref, fresh_ref, q_ref, w_ref, u
 
 def default_tiles(requests: int, dv: int) -> dict:
     """(chunk_size, block_v, num_stages) for a batch of `requests` request slots (static, so the number of prefill
-    requests among them is not known here), from H200 runs at 35B-A3B shapes (GPU time, BENCH_H200.md, sixteenth and
-    seventeenth sessions). Chunks of 32 and three pipeline stages (the chunk loop's loads a step ahead) everywhere.
+    requests among them is not known here), from H200 runs at 35B-A3B shapes (GPU time of tile sweeps with
+    qwen_jax/bench/kernels.py). Chunks of 32 and three pipeline stages (the chunk loop's loads a step ahead) everywhere.
     One prompt has only nv * dv / block_v recurrence programs on 132 SMs, so its chain of chunks is the critical
     path: 32 value columns, twice the programs of 64 (the recurrence alone at 4,096 tokens: 150 us, 64 columns 165;
     whole op with chunks of 64: 270 against 240); only a batch of one request slot is sure to hold at most one. From

@@ -1,4 +1,5 @@
-"""MoE grouped GEMM (routed experts) as Pallas kernels, with the plain-jnp `reference` beside it. Two layouts:
+"""MoE grouped GEMM (routed experts) as Pallas kernels; the jnp reference they match is
+qwen_jax.layers.mlp.routed_experts_f32 (ragged_dot). Two layouts:
 
 Few tokens (decode, at most FEW_TOKENS): expert-major, no sort. One program per (expert, column block) reads the
   (token, expert) pairs itself, exits at once if its expert got none, and otherwise runs all the tokens through the
@@ -27,30 +28,18 @@ GEMM's result rounded to the model dtype, SiLU in float32 rounded once, bf16 pro
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from qwen_jax.layers.mlp import routed_experts_f32 as reference  # noqa: F401  (the jnp reference of this kernel)
-
-
-def _tile(dim: int, preferred: int) -> int:
-    """The largest power of two <= preferred that divides dim (at least 16: Triton's smallest dot tile)."""
-    tile = preferred
-    while tile > 16 and dim % tile:
-        tile //= 2
-    if dim % tile:
-        raise ValueError(f"moe_gemm: dimension {dim} is not a multiple of 16")
-    return tile
-
+from pallas_kernels.tiling import split_contraction, tile_size, triton_available
 
 # On a GPU the sorted layout runs as native Triton kernels (pallas_kernels/moe_triton.py), which beat this module's
-# Pallas-Triton kernels on an H200 at every sorted size: 13% at 128-256 tokens, 1.5x at 4,096 (266 vs 172 TFLOP/s)
-# and 16,384 (426 vs 286 TFLOP/s; BENCH_H200.md). The Pallas ones stay for the CPU (interpret mode, so CI runs the
-# engine's kernels) and where jax-triton is missing. Tiles by pairs (token x expert), from the same sweeps:
+# Pallas-Triton kernels on an H200 at every sorted size: 13% at 128-256 tokens, 1.5x at 4,096 (266 vs 172 TFLOP/s) and
+# 16,384 (426 vs 286 TFLOP/s; qwen_jax/bench/kernels.py). The Pallas ones stay for the CPU (interpret mode, so CI runs
+# the engine's kernels) and where jax-triton is missing. Tiles by pairs (token x expert), from the same sweeps:
 # (max pairs, block_m, block_n, block_k, num_warps, num_stages, down's (block_n, block_k, num_warps, num_stages),
 # tail_m: the tile height of a block with at most that many live rows, moe_triton's short blocks; None: off).
 TRITON_TILES = [(2048, 16, 128, 64, 4, 3, (256, 64, 8, 3), None),  # memory-bound: a few rows per expert
@@ -59,13 +48,8 @@ TRITON_TILES = [(2048, 16, 128, 64, 4, 3, (256, 64, 8, 3), None),  # memory-boun
 PALLAS_SORTED_MAX_PAIRS = 2048  # up to here 16-row blocks, above it 128 x 128 tiles on 8 warps
 
 
-def triton_available() -> bool:
-    """Whether the native Triton kernels can run here: a GPU backend and jax-triton installed (the cuda extra)."""
-    return jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
-
-
 def default_tiles(num_tokens: int, num_pairs: int, native: bool = False) -> dict:
-    """Layout and tiles by size, from the H200 sweeps of pallas_kernels/bench.py (BENCH_H200.md): the expert-major
+    """Layout and tiles by size, from the H200 sweeps of qwen_jax/bench/kernels.py: the expert-major
     Pallas kernels up to FEW_TOKENS tokens; above, the sorted layout, as native Triton kernels when `native`."""
     if num_tokens <= FEW_TOKENS:
         return dict(few_tokens=True, triton=False, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4,
@@ -273,30 +257,12 @@ def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, 
         pltriton.store(out_ref.at[pair[:, None], col], out, mask=routed[:, None])
 
 
-MIN_PROGRAMS = 256  # weight-streaming kernels split their contraction until this many programs run
-
-
-def split_contraction(programs: int, steps: int, split_k: int | None = None, want: int = MIN_PROGRAMS) -> int:
-    """How many slices a weight-streaming kernel of `programs` programs splits its contraction (`steps` steps of
-    block_k) into: `split_k` when given (checked to cut no step), else the fewest powers of two that give `want`
-    programs, each slice a whole number of steps. At one token (8 pairs x 8 column blocks = 64 programs) too few
-    programs run to stream the weights at full bandwidth (132 SMs on an H200)."""
-    if split_k is not None:
-        if split_k < 1 or steps % split_k:
-            raise ValueError(f"split_k {split_k} does not divide the {steps} steps of the contraction")
-        return split_k
-    split = 1
-    while programs * split < want and steps % (2 * split) == 0:
-        split *= 2
-    return split
-
-
 def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                       w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 64,
                       block_k: int = 64, num_warps: int = 4, num_stages: int = 4, split_k: int | None = None,
                       interpret: bool | None = None) -> jax.Array:
     """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
-    steadiest of two pallas_kernels/bench.py sweeps on an H200 at 1-64 tokens (BENCH_H200.md). split_k: slices of
+    steadiest of two qwen_jax/bench/kernels.py sweeps on an H200 at 1-64 tokens. split_k: slices of
     gate_up's contraction (None: split_contraction)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
@@ -308,7 +274,7 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
 
     by_pair = pairs < num_local  # a program per pair (its expert's first) rather than one per local expert
     programs = pairs if by_pair else num_local
-    bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
+    bn, bk = tile_size(inter, block_n), tile_size(hidden, block_k)
     split_k = split_contraction(programs * (inter // bn), hidden // bk, split_k)
     h_shapes = (jax.ShapeDtypeStruct((pairs, inter), x.dtype),) if split_k == 1 else \
         (jax.ShapeDtypeStruct((split_k, pairs, inter), jnp.float32),) * 2  # gate, up partial sums
@@ -319,7 +285,7 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
     # Rows of pairs not routed here hold garbage; the down kernel never reads them.
     h = h[0] if split_k == 1 else _swiglu(h[0].sum(axis=0), h[1].sum(axis=0), dtype=x.dtype)
 
-    bn, bk = _tile(hidden, block_n), _tile(inter, block_k)
+    bn, bk = tile_size(hidden, block_n), tile_size(inter, block_k)
     down = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair),
                  jax.ShapeDtypeStruct((pairs, hidden), x.dtype), (programs, hidden // bn), interpret, num_warps,
                  num_stages, "moe_few_down")
@@ -343,7 +309,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
                    block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    down: tuple[int, int, int, int] | None = None, tail_m: int | None = None,
                    split_k: int | None = None, interpret: bool | None = None) -> jax.Array:
-    """Same contract as `reference` (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
+    """Same contract as the reference (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
     w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
     (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels, else the sorted
     blocks of block_m rows; triton: the sorted blocks as native Triton kernels (GPU only; `down`: their down
@@ -375,14 +341,14 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
     num_blocks_max = block_expert.shape[0]
     rows = x[jnp.minimum(pair_of_row, num_pairs - 1) // top_k]  # padding rows copy a real row: finite, unused
 
-    bn, bk = _tile(inter, block_n), _tile(hidden, block_k)
+    bn, bk = tile_size(inter, block_n), tile_size(hidden, block_k)
     gate_up = _call(functools.partial(_expert_block_kernel, epilogue=_swiglu, block_m=block_m, block_n=bn,
                                       block_k=bk),
                     jax.ShapeDtypeStruct((rows.shape[0], inter), x.dtype), (num_blocks_max, inter // bn),
                     interpret, num_warps, num_stages, "moe_gate_up")
     hidden_rows = gate_up(block_expert, num_blocks, rows, w_gate, w_up)
 
-    bn, bk = _tile(hidden, block_n), _tile(inter, block_k)
+    bn, bk = tile_size(hidden, block_n), tile_size(inter, block_k)
     down = _call(functools.partial(_expert_block_kernel, epilogue=_rounded, block_m=block_m, block_n=bn,
                                    block_k=bk),
                  jax.ShapeDtypeStruct((rows.shape[0], hidden), x.dtype), (num_blocks_max, hidden // bn),

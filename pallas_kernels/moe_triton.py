@@ -6,8 +6,8 @@ moe_gemm.routed_experts picks these on a GPU with jax-triton (the `cuda` extra);
 they launch, since it refuses to import without a GPU. On the CPU the tests run the same kernels under Triton's
 interpreter (tests/kernels/test_moe_triton.py); scripts/check_moe_triton_gpu.py runs them natively.
 
-Why a second source for the sorted GEMMs: the Pallas-Triton version of the same blocks ran 1.13-1.74x slower on
-an H200 (172 against 266 TFLOP/s at 4,096 tokens, 286 against 426 at 16,384; BENCH_H200.md). Besides Triton's own
+Why a second source for the sorted GEMMs: the Pallas-Triton version of the same blocks ran 1.13-1.74x slower on an H200
+(172 against 266 TFLOP/s at 4,096 tokens, 286 against 426 at 16,384; qwen_jax/bench/kernels.py). Besides Triton's own
 code for the dot loop, each kernel here does what XLA did around the Pallas pair:
   1. gate_up gathers each row's token from x itself (no [rows, H] copy of x in HBM), then SwiGLU as moe_gemm;
   2. down multiplies by the routing weight with the reference's bf16 roundings and stores each row at its pair's
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from pallas_kernels import moe_gemm
+from pallas_kernels.tiling import tile_size
 
 # ---- the plan as a stable counting sort: moe_gemm.plan's result, from four small launches instead of ~25 XLA
 # kernels around a radix argsort (70 us at 4,096 tokens on an H200)
@@ -279,10 +279,11 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
                    tail_m: int | None = None, block_n: int = 128, block_k: int = 64, num_warps: int = 8,
                    num_stages: int = 3, down: tuple[int, int, int, int] | None = None, triton_call=None
                    ) -> jax.Array:
-    """Same contract as moe_gemm.reference. (block_n, block_k, num_warps, num_stages) are gate_up's; `down` gives
-    the down kernel's own, else it takes gate_up's. block_m is both kernels' (the plan's); tail_m (< block_m, None:
-    off) the height of the tile a block with at most that many live rows runs instead. triton_call: the
-    launcher, jax_triton.triton_call unless given (the tests give one that runs Triton's interpreter on the CPU)."""
+    """Same contract as moe_gemm.routed_experts (qwen_jax.layers.mlp.routed_experts_f32). (block_n, block_k,
+    num_warps, num_stages) are gate_up's; `down` gives the down kernel's own, else it takes gate_up's. block_m is
+    both kernels' (the plan's); tail_m (< block_m, None: off) the height of the tile a block with at most that many
+    live rows runs instead. triton_call: the launcher, jax_triton.triton_call unless given (the tests give one that
+    runs Triton's interpreter on the CPU)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
     num_pairs = num_tokens * top_k
@@ -293,8 +294,8 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
     if tail_m < 16 or tail_m & (tail_m - 1) or tail_m > block_m:
         raise ValueError(f"moe_triton: tail_m {tail_m} is not a power of two in [16, block_m {block_m}]")
     # each tile: the largest power of two up to the one asked that divides its dimension
-    block_n, block_k = moe_gemm._tile(inter, block_n), moe_gemm._tile(hidden, block_k)
-    down_n, down_k = moe_gemm._tile(hidden, down_n), moe_gemm._tile(inter, down_k)
+    block_n, block_k = tile_size(inter, block_n), tile_size(hidden, block_k)
+    down_n, down_k = tile_size(hidden, down_n), tile_size(inter, down_k)
     if triton_call is None:
         import jax_triton  # here, not at the top: it refuses to import without a GPU
 

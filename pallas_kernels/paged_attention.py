@@ -200,7 +200,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch,
     padding tokens 0. q's heads split evenly over the cache's KV heads [kv_head_start, +num_kv_heads) (default: all).
     Tiles: prefill about `block_m` rows (queries x query heads of one KV head), decode one query; `block_k` keys a
     step. num_splits: decode key splits (None: from the grid size). num_warps, num_stages: both launches (None: each
-    its own). None elsewhere: the best of pallas_kernels/bench.py on an H200 at 35B-A3B shapes (decode 4 warps,
+    its own). None elsewhere: the best of qwen_jax/bench/kernels.py on an H200 at 35B-A3B shapes (decode 4 warps,
     2 stages; prefill 128 rows, 8 warps, 3 stages), with 64 keys a step (32 for float32 D = 256 tiles, whose pipeline
     buffers would not fit in shared memory). interpret=None interprets on CPU only. D, block_m and block_k must be
     powers of two, block_k at least 16 (Triton's smallest dot)."""

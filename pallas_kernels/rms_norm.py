@@ -1,11 +1,11 @@
-"""RMSNorm of a few rows as one Pallas kernel, with its jnp reference beside it (qwen_jax.layers.norms.rms_norm, the
-model's own, whose roundings it repeats).
+"""RMSNorm of a few rows as one Pallas kernel, repeating the roundings of its jnp reference (the model's own,
+qwen_jax.layers.norms.rms_norm).
 
-Why: for a single row (a decode step of one sequence) XLA splits the norm into two kernels, the sum of squares
-and then the scaling, twice a layer; a step of one sequence waits on kernel launches, not on the GPU (BENCH_H200.md,
-tenth session). Here one program normalises one row. From two rows on XLA emits one fused kernel itself, so the
-layers' norm op (`norm` below) runs this kernel for one row only. Same Triton lowering as the other Pallas kernels
-here, so it runs on the CPU in interpret mode.
+Why: for a single row (a decode step of one sequence) XLA splits the norm into two kernels, the sum of squares and then
+the scaling, twice a layer; a step of one sequence waits on kernel launches, not on the GPU
+(profiled on an H200). Here one program normalises one row. From two rows on XLA emits one fused kernel
+itself, so the layers' norm op (qwen_jax/layers/ops.py) runs this kernel for one row only. Same Triton lowering as the
+other Pallas kernels here, so it runs on the CPU in interpret mode.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-
-from qwen_jax.layers.norms import rms_norm as reference
 
 
 def _kernel(x_ref, w_ref, out_ref, *, eps: float, plus_one: bool, block_h: int):
@@ -40,7 +38,7 @@ def _kernel(x_ref, w_ref, out_ref, *, eps: float, plus_one: bool, block_h: int):
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool, *, num_warps: int = 4,
              interpret: bool | None = None) -> jax.Array:
-    """Same contract as `reference` (the last axis of x normalised), one program per row."""
+    """The reference's contract (the last axis of x normalised, in x's dtype), one program per row."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"rms_norm: weight {weight.shape} does not match the hidden size {hidden}")
@@ -53,10 +51,3 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool, *, num
         out_shape=jax.ShapeDtypeStruct((rows, hidden), x.dtype), grid=(rows,), interpret=interpret,
         compiler_params=params, name="rms_norm")(x.reshape(rows, hidden), weight)
     return out.reshape(x.shape)
-
-
-def norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
-    """The layers' `norm` op on this kernel for one row (where XLA takes two kernels); elsewhere the reference."""
-    if math.prod(x.shape[:-1]) == 1:
-        return rms_norm(x, weight, eps, plus_one)
-    return reference(x, weight, eps, plus_one)

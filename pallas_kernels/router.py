@@ -1,9 +1,9 @@
 """MoE routing in one launch: softmax over the experts in float32, the top k, renormalised, as a Pallas kernel with
-its jnp reference beside it (qwen_jax.layers.mlp.route_logits, the model's own).
+the contract of its jnp reference (the model's own, qwen_jax.layers.mlp.route_logits).
 
 Why: XLA runs the same math as four kernels a layer (softmax, a sort of the 256 probabilities for top_k, a slice, the
 renormalisation), about 8 us of GPU time and four launches at one token, 40 layers a step; a decode step of a few
-sequences waits on launches (BENCH_H200.md, tenth session). Here one program takes a block of tokens, forms the
+sequences waits on launches. Here one program takes a block of tokens, forms the
 softmax as jax.nn.softmax does, and picks the k largest probabilities one at a time (largest first, the lowest expert
 id among equals: lax.top_k's order), so the ids are the reference's and the weights agree to float32 rounding.
 Same Triton lowering as the other Pallas kernels here, so it runs on the CPU in interpret mode.
@@ -18,13 +18,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from qwen_jax.layers.mlp import route_logits as reference  # noqa: F401  (the jnp reference of this kernel)
-
 
 def _kernel(logits_ref, weights_ref, ids_ref, *, block_t: int, experts: int, top_k: int, renormalize: bool):
     """Program t: tokens t * block_t .. + block_t - 1 (rows past the last token repeat it and store nothing). The
     default of one token on one warp ran fastest at 1-4,096 tokens on an H200 (2-6 us; 16 tokens on 4 warps: 9-13
-    us, XLA 7-40 us; BENCH_H200.md)."""
+    us, XLA 7-40 us; qwen_jax/bench/kernels.py)."""
     num_tokens, num_experts = logits_ref.shape
     row = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
     clipped = jnp.minimum(row, num_tokens - 1)[:, None]
@@ -53,7 +51,7 @@ def _kernel(logits_ref, weights_ref, ids_ref, *, block_t: int, experts: int, top
 
 def route_logits(logits: jax.Array, top_k: int, renormalize: bool, *, block_t: int = 1, num_warps: int = 1,
                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """Same contract as `reference`: logits [T, E] (x's dtype) -> (weights [T, k] in that dtype, ids [T, k] int32)."""
+    """The reference's contract: logits [T, E] (x's dtype) -> (weights [T, k] in that dtype, ids [T, k] int32)."""
     num_tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"router: top_k {top_k} is not in 1..{num_experts} (the experts)")

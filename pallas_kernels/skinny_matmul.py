@@ -1,40 +1,31 @@
 """x @ w for one row (a decode step of one sequence), or a few rows through a layer's large projections, as a Pallas
-kernel, with the plain-jnp `reference` beside it: float32 accumulation, float32 out, as jnp.matmul(x, w,
-preferred_element_type=float32).
+kernel: float32 accumulation, float32 out, the contract of the layers' `dense` op (qwen_jax.layers.mlp.dense, its jnp
+reference; qwen_jax/layers/ops.py decides at which shapes this kernel runs instead).
 
-Why: XLA rewrites a one-row dot into a reduction fusion, which streams an 8-16 MB projection weight at 0.7-1.5
-TB/s on an H200; from two rows on it emits a GEMM, as fast as this kernel except through a layer's 38-51 MB of
-projections (`dense` below). In a 35B-A3B decode step of
-one sequence those fusions took ~5 of the 8.4 ms of GPU time (BENCH_H200.md). The kernel streams the weight: each
-program takes a block of columns (and, where that leaves too few programs to keep every SM streaming, one slice of
-the contraction), runs the rows as one [16-64, K] tile through the tensor cores, and stores float32 partial sums
-[slices, M, N] that XLA adds up (a sum it fuses into whatever follows). Several weights of one x (a layer's q/k/v/z
-projections) run side by side as one launch: one 50 MB stream (17.5 us, 2.9 TB/s, on an H200 with each call on other
-weights, as in the model) instead of four 8-16 MB ones and four partial sums (BENCH_H200.md, ninth and nineteenth
-sessions). Same Triton lowering as
-pallas_kernels/moe_gemm.py's few-token kernels, so the same source runs on the CPU in interpret mode.
+Why: XLA rewrites a one-row dot into a reduction fusion, which streams an 8-16 MB projection weight at 0.7-1.5 TB/s on
+an H200; from two rows on it emits a GEMM, as fast as this kernel except through a layer's 38-51 MB of projections. In a
+35B-A3B decode step of one sequence those fusions took ~5 of the 8.4 ms of GPU time (the step profiled on an H200).
+The kernel streams the weight: each program takes a block of columns (and, where that leaves too few programs to keep
+every SM streaming, one slice of the contraction), runs the rows as one [16-64, K] tile through the tensor cores, and
+stores float32 partial sums [slices, M, N] that XLA adds up (a sum it fuses into whatever follows). Several weights of
+one x (a layer's q/k/v/z projections) run side by side as one launch: one 50 MB stream (17.5 us, 2.9 TB/s, on an H200
+with each call on other weights, as in the model) instead of four 8-16 MB ones and four partial sums. Same Triton
+lowering as pallas_kernels/moe_gemm.py's few-token kernels, so the same source runs on the CPU in interpret mode.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.moe_gemm import _tile, split_contraction
-from qwen_jax.layers.mlp import dense as dense_reference
+from pallas_kernels.tiling import split_contraction, tile_size
 
 MAX_ROWS = 64  # rows run as one tile of 16, 32 or 64 (the next power of two)
-
-
-def reference(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [K, N] -> float32 [M, N]."""
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
 def _kernel(x_ref, *refs, rows: int, block_k: int, steps: int, bounds: tuple[int, ...], tiles: tuple[int, ...],
@@ -77,28 +68,27 @@ def _kernel(x_ref, *refs, rows: int, block_k: int, steps: int, bounds: tuple[int
 
 
 def matmul(x: jax.Array, w: jax.Array, **tiles) -> jax.Array:
-    """Same contract as `reference` for x [M <= MAX_ROWS, K], w [K, N] (K, N multiples of 16): matmul_many of one
-    weight."""
+    """x [M <= MAX_ROWS, K] @ w [K, N] (K, N multiples of 16) -> float32 [M, N]: matmul_many of one weight."""
     return matmul_many(x, (w,), **tiles)[0]
 
 
 def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, block_k: int = 64,
                 split_k: int | None = None, num_warps: int = 8, num_stages: int = 4,
                 interpret: bool | None = None) -> tuple[jax.Array, ...]:
-    """`reference(x, w)` for each w of ws (each [K, N_i]) as one kernel over their columns side by side: one launch
+    """x @ w (float32) for each w of ws (each [K, N_i]) as one kernel over their columns side by side: one launch
     and one stream of all the weights instead of one per weight (a layer's q/k/v/z projections: four 4-16 MB
     weights, each too small to reach full bandwidth alone). block_k shrinks to divide K, and each weight's column
     tile is block_n shrunk to divide its width (a 32-column weight is one block of 32: contiguous loads that Triton
-    pipelines; widths of 16 or more must be multiples of 16, one under 16 is one masked block of 16); split_k:
-    slices of the contraction (None: moe_gemm.split_contraction over all the column blocks). Default tiles: the
-    fastest or tied at every 35B-A3B projection shape of one row (H200, BENCH_H200.md). interpret=None interprets on
-    CPU only."""
+    pipelines; widths of 16 or more must be multiples of 16, one under 16 is one masked block of 16); split_k: slices of
+    the contraction (None: tiling.split_contraction over all the column blocks). Default tiles: the fastest or tied at
+    every 35B-A3B projection shape of one row (H200, qwen_jax/bench/kernels.py). interpret=None interprets on CPU
+    only."""
     (num_rows, k), widths = x.shape, [w.shape[1] for w in ws]
     if not 0 < num_rows <= MAX_ROWS:
         raise ValueError(f"skinny_matmul: x has {num_rows} rows; the kernel takes 1 to {MAX_ROWS}")
     if any(w.shape[0] != k for w in ws):
         raise ValueError(f"skinny_matmul: weights {[w.shape for w in ws]} do not all contract x's {k} columns")
-    tiles, block_k = tuple(16 if n < 16 else _tile(n, block_n) for n in widths), _tile(k, block_k)
+    tiles, block_k = tuple(16 if n < 16 else tile_size(n, block_n) for n in widths), tile_size(k, block_k)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     bounds = tuple(itertools.accumulate((-(-n // t) for n, t in zip(widths, tiles)), initial=0))
@@ -115,43 +105,7 @@ def matmul_many(x: jax.Array, ws: tuple[jax.Array, ...], *, block_n: int = 128, 
     return tuple(out[:, a:b] for a, b in zip(ends, ends[1:]))
 
 
-# Below this contraction XLA's one-row reduction is as fast. The shared expert's down projection (K 512) took 2 us in
-# XLA alone and 3 us in the kernel, but inside the model XLA ran it as a multiply writing a float32 [512, 2048]
-# product and a reduce of it (5 us, two kernels): through the kernel a B=1 step took 0.1 ms less GPU time.
-MIN_K = 512
-
-
-# From two rows on XLA emits a GEMM, but for several weights of one x it first concatenates them on every call (its
-# dot merger): at 8-64 rows one launch over a layer's projections of 38-51 MB beat it (the GDN's q/k/v/z/b/a: 26-38
-# against 16-25 us; attention's q/k/v/gate: 15-23 against 11-16 us), while XLA won on single weights, 2-50 MB (one
-# 50 MB weight: 13-14 against 15-19 us) (H200, `bench --only skinny_matmul`, BENCH_H200.md, eighteenth session).
-MIN_MANY_ROWS_BYTES = 32 * 2**20
-
-
 def row_tiles(rows: int) -> dict:
     """matmul_many's tiles for `rows` rows: the defaults up to 16, 64-column tiles past (the best of an H200 sweep
     at 2-64 rows; GDN projections at 32 rows 19 against 21 us, attention's at 64 rows 15 against 18)."""
     return {} if rows <= 16 else dict(block_n=64)
-
-
-def dense(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1):
-    """The layers' `dense` op (qwen_jax.layers.mlp.dense: x's last `contract` dims against w's first; a tuple of
-    weights gives a tuple) on this kernel where it pays: K >= MIN_K, K a multiple of 16, and one row, or up to
-    MAX_ROWS rows through several weights of MIN_MANY_ROWS_BYTES or more. The weights whose widths are multiples of 16
-    share one launch (matmul_many), joined by those under 16 columns (the shared expert's 1-column gate: in XLA a
-    launch of its own); a lone narrow weight and every other shape take the reference (XLA)."""
-    ws = w if isinstance(w, tuple) else (w,)
-    lead = x.shape[:x.ndim - contract]
-    rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract:])
-    widths = [math.prod(wi.shape[contract:]) for wi in ws]
-    wide = [i for i, n in enumerate(widths) if n % 16 == 0]
-    fused = [i for i, n in enumerate(widths) if n % 16 == 0 or n < 16] if wide else []  # narrow ones only join
-    weight_bytes = sum(k * widths[i] * ws[i].dtype.itemsize for i in wide)
-    few_rows_pay = len(wide) > 1 and weight_bytes >= MIN_MANY_ROWS_BYTES
-    if rows > MAX_ROWS or k < MIN_K or k % 16 or not fused or rows > 1 and not few_rows_pay:
-        return dense_reference(x, w, contract)
-    outs = dict(zip(fused, matmul_many(x.reshape(rows, k), tuple(ws[i].reshape(k, widths[i]) for i in fused),
-                                       **row_tiles(rows))))
-    out = tuple(outs[i].reshape(*lead, *wi.shape[contract:]) if i in outs else dense_reference(x, wi, contract)
-                for i, wi in enumerate(ws))
-    return out if isinstance(w, tuple) else out[0]

@@ -1,14 +1,25 @@
 """qwen-jax: a JAX/XLA inference engine for the Qwen3.5 family and LLaMA-like decoders.
 
-Importing it never allocates device memory: JAX is told not to preallocate, so other processes can share the GPU.
+Importing it never allocates device memory (JAX is told not to preallocate, so other processes can share the GPU)
+and never imports the engine: the public names load on first use, so a low module (the config, a layer) imports
+alone, without the package pulling in everything above it. JAX's allocator may grow to 95% of the device (its
+default cap is 75%); the engine argument `gpu_memory_utilization` sizes the caches.
 """
 
+import importlib
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Under JAX's default cap of 75% an H200 holding 35B-A3B's 65 GiB of weights has room for only ~370k KV tokens,
+# fewer than 256 sequences of 2k tokens need; the engine's own budget (gpu_memory_utilization) is the real limit.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from qwen_jax.engine.skeleton import create_engine  # noqa: E402
-from qwen_jax.llm import LLM, AsyncLLM  # noqa: E402
-from qwen_jax.sampling_params import SamplingParams  # noqa: E402
+_PUBLIC = {"LLM": "qwen_jax.llm", "AsyncLLM": "qwen_jax.llm", "SamplingParams": "qwen_jax.sampling_params",
+           "create_engine": "qwen_jax.engine.skeleton"}
+__all__ = list(_PUBLIC)
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "create_engine"]
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'qwen_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -15,7 +15,6 @@ import numpy as np
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet
-KERNELS = ("reference", "gpu")  # ModelConfig.kernels: the jnp layers or pallas_kernels/ (qwen_jax/layers/ops.py)
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3", "qwen3_moe", "llama", "tiny_llama", "llama2c")
 
@@ -73,9 +72,6 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    # Which implementation runs the hot ops: "reference" (the jnp layers) or "gpu" (pallas_kernels/). Not a model
-    # property, but like the dtype it decides what gets compiled, so it travels with the config.
-    kernels: str = "reference"
 
     # ---- derived -------------------------------------------------------------------------------------------
     @property
@@ -117,11 +113,6 @@ class ModelConfig:
 
     def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=_normalize_dtype(dtype))
-
-    def with_kernels(self, kernels: str) -> ModelConfig:
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels must be 'reference' or 'gpu', got {kernels!r}")
-        return dataclasses.replace(self, kernels=kernels)
 
     def rope_inv_freq(self) -> np.ndarray:
         """Inverse frequencies [rotary_dim // 2] in float32, with llama3 scaling applied when configured."""

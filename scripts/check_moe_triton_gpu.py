@@ -13,6 +13,7 @@ import jax_triton
 import numpy as np
 
 from pallas_kernels import moe_gemm, moe_triton
+from qwen_jax.layers.mlp import routed_experts_f32
 
 reference_plan = jax.jit(moe_gemm.plan, static_argnums=(1, 3))
 native_plan = jax.jit(functools.partial(moe_triton.plan, triton_call=jax_triton.triton_call), static_argnums=(1, 3))
@@ -44,7 +45,7 @@ for case in range(40):
     tail = int(rng.choice([block_m, max(16, block_m // 2), 16]))
     out = jax.jit(functools.partial(moe_gemm.routed_experts, triton=True, block_m=block_m, tail_m=tail,
                                     block_n=64, block_k=64, num_warps=4, num_stages=3))(x, w, ids, wg, wu, wd, first)
-    ref = jax.jit(moe_gemm.reference)(x, w, ids, wg, wu, wd, first)
+    ref = jax.jit(routed_experts_f32)(x, w, ids, wg, wu, wd, first)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     err = float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
     line = dict(case=case, experts=experts, local=num_local, first=first, top_k=top_k, tokens=tokens, block_m=block_m,

@@ -16,7 +16,8 @@ import json
 
 import numpy as np
 
-from pallas_kernels import bench, gdn
+from pallas_kernels import gdn
+from qwen_jax.bench import kernels as bench
 
 CASES = ((1, 2048), (1, 4096), (8, 1024), (64, 1024))  # (prompts, tokens each), 35B-A3B shapes (bench.GP_FULL)
 

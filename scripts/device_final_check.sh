@@ -12,12 +12,12 @@ PARTS=" ${PARTS:-kernels step_profile traces kernel_parity server restart} "  # 
 part() { [[ "$PARTS" == *" $1 "* ]] || return 1; echo "== $1 ($(date +%T))"; }
 
 if part kernels; then
-  timeout "${T_KERNELS:-420}" python3 -m pallas_kernels.bench --defaults-only --budget-s 150 > "$OUT/kernels.txt" 2>&1
+  timeout "${T_KERNELS:-420}" python3 -m qwen_jax.bench.kernels --defaults-only --budget-s 150 > "$OUT/kernels.txt" 2>&1
   awk '/^### /{s=1; print; next} s && /^\|/{s=2; print; next} s==2{s=0} /FAILED/' "$OUT/kernels.txt"  # the tables
 fi
 
 if part gdn_prefill; then  # the chunked-prefill kernel alone (new, never compiled for a GPU before): its whole sweep
-  timeout "${T_GDN_PREFILL:-540}" python3 -m pallas_kernels.bench --only gdn_prefill --budget-s 420 \
+  timeout "${T_GDN_PREFILL:-540}" python3 -m qwen_jax.bench.kernels --only gdn_prefill --budget-s 420 \
     > "$OUT/gdn_prefill.txt" 2>&1; tail -40 "$OUT/gdn_prefill.txt"
 fi
 

@@ -15,23 +15,20 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.layers.mlp import drop_padding, linear, route, routed_experts_impl
-from qwen_jax.models.decoder import param_shapes
+from qwen_jax.layers.mlp import drop_padding, linear, route
 from sharding.mesh import MODEL_AXES
-from sharding.rules import MOE, entry_axes, logical_to_spec
+from sharding.rules import entry_axes, param_specs
 
 
-def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh) -> Callable:
+def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh, routed: Callable) -> Callable:
     """sparse_moe(x [T, H], p, top_k, renormalize, valid) with the experts split over the mesh as sharding/rules.py
-    says."""
-    shapes = param_shapes(cfg)["layers"][cfg.moe_layers[0]]["mlp"]  # every MoE layer has the same shapes
-    specs = {name: logical_to_spec(MOE[name], s.shape, mesh) for name, s in shapes.items()}
+    says; `routed`: the routed experts op of the layers' bundle (layers/ops.py's `experts`), run on each device's
+    experts."""
+    specs = param_specs(cfg, mesh)["layers"][cfg.moe_layers[0]]["mlp"]  # every MoE layer has the same specs
     expert_axes = entry_axes(specs["w_gate"][0])
     routed_axes = expert_axes + entry_axes(specs["w_gate"][2])
     shared_axes = entry_axes(specs["shared_gate"][1]) if "shared_gate" in specs else ()
     local_experts = cfg.num_experts // math.prod(mesh.shape[a] for a in expert_axes)
-
-    routed = routed_experts_impl(cfg.kernels)
 
     def body(x: jax.Array, p: dict, valid: jax.Array | None, top_k: int, renormalize: bool) -> jax.Array:
         weights, ids = route(x, p["router"], top_k, renormalize)

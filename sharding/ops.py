@@ -9,6 +9,7 @@ one KV (key) head its query (value) heads share: that needs the query heads of a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -17,9 +18,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
-from qwen_jax.layers.gated_deltanet import causal_convs
-from qwen_jax.layers.mlp import dense
-from qwen_jax.layers.norms import rms_norm
 from qwen_jax.layers.ops import Ops, ops_for
 from sharding.mesh import MODEL_AXES, model_parallel_size
 from sharding.moe import expert_parallel_moe
@@ -101,14 +99,14 @@ def head_parallel_delta_rule(cfg: ModelConfig, mesh: Mesh, delta_rule: Callable)
     return sharded
 
 
-def ops_for_mesh(cfg: ModelConfig, mesh: Mesh) -> Ops:
-    """The one place a mesh's ops are chosen: ops_for(cfg.kernels) when one device holds the whole model,
-    else each op split over the model axes (the MoE's experts by sharding/moe.py) and the projections, norms and
-    convs left to XLA's partitioner (it splits a dot by the weights' shardings; it cannot split a Pallas call)."""
-    ops = ops_for(cfg.kernels)
+def ops_for_mesh(cfg: ModelConfig, mesh: Mesh, kernels: str) -> Ops:
+    """A mesh's ops: ops_for(kernels) when one device holds the whole model; else that bundle as XLA's
+    partitioner runs it (layers/ops.py keeps the projections, norms and convs on XLA, which splits a dot by the
+    weights' shardings but cannot split a Pallas call), with attention, the delta rule and the MoE's experts
+    (sharding/moe.py) each split over the model axes here."""
     if model_parallel_size(mesh) == 1:
-        return ops
-    return Ops(attention=head_parallel_attention(cfg, mesh, ops.attention),
-               delta_rule=head_parallel_delta_rule(cfg, mesh, ops.delta_rule),
-               moe=expert_parallel_moe(cfg, mesh) if cfg.moe_layers else ops.moe, dense=dense, norm=rms_norm,
-               conv=causal_convs)
+        return ops_for(kernels)
+    ops = ops_for(kernels, partitioned=True)
+    return dataclasses.replace(ops, attention=head_parallel_attention(cfg, mesh, ops.attention),
+                               delta_rule=head_parallel_delta_rule(cfg, mesh, ops.delta_rule),
+                               moe=expert_parallel_moe(cfg, mesh, ops.experts) if cfg.moe_layers else ops.moe)

@@ -1,9 +1,10 @@
 """What issuing one engine step costs the host: `python -m qwen_jax.bench.dispatch --config config.json`.
 
-Builds one replica on random weights with the real shapes (the full model by default), compiles the one-token step,
-then times, over many steps issued one ahead of the device as the engine issues them: the transfer of the step's
-inputs, the forward's call, the sampler's call; and, for comparison, a jitted program that only touches every
-argument the forward takes (params and cache), so the cost of passing them shows on its own. Prints a table.
+Builds one replica on random weights with the real shapes (the full model by default) and compiles the one-token step
+from engine/step.py's programs, on the replica's cache and inputs (never the runner's internals). Then times, over
+many steps issued one ahead of the device as the engine issues them: the transfer of the step's inputs, the
+forward's call, the sampler's call; and, for comparison, a jitted program that only touches every argument the
+forward takes (params and cache), so the cost of passing them shows on its own. Prints a table.
 """
 
 from __future__ import annotations
@@ -76,11 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also trace 20 steps issued one ahead: the host's events and the GPU's kernels per step")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config).with_kernels(args.kernels)
+    cfg = load_config(args.config)
     mesh = make_mesh(1)
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
     sizes = engine_args(dict(max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, num_snapshots=0,
-                             num_kv_blocks=4096))
+                             num_kv_blocks=4096, kernels=args.kernels))
     replica = Replica(0, cfg, params, mesh, sizes, 4096, [0], seed=0)
     runner = replica.runner
     leaves = len(jax.tree.leaves(params)), len(jax.tree.leaves(runner.cache))
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         return total + buffer[0], cache
 
     touch = jax.jit(touch.__wrapped__, donate_argnums=(1,))
-    buffer = runner._put(np.zeros(64, np.int32))
+    replicated = step.replicated(mesh)
+    buffer = jax.device_put(np.zeros(64, np.int32), replicated)
     out, runner.cache = touch(params, runner.cache, buffer)
     jax.block_until_ready(out)
     times = []
@@ -105,23 +107,28 @@ def main(argv: list[str] | None = None) -> None:
     jax.block_until_ready(out)
     rows.append(("jit call, params + cache only (no work)", median_us(times)))
 
-    # 2. The real one-token step, issued one ahead: transfer, forward, sampler.
-    runner.compile([1])
+    # 2. The real one-token step, issued one ahead: transfer, forward, sampler; each step's inputs copied into one
+    # buffer in place, as the runner stages them.
     host, layout = runner.step_inputs_for(1)
     tensors = SamplingTensors.build_host([], [], vocab_size=cfg.vocab_size, batch_size=1,
                                          num_penalty_rows=runner.num_slots)
     sampling, sampling_layout = step.pack(tensors._asdict())
-    sample = runner._sampler(sampling_layout, 0, 0, False)
+    inputs = jax.device_put(np.zeros(layout.size, np.int32), replicated)
+    forward = functools.partial(step.forward, layout=layout, cfg=cfg, mesh=mesh, kernels=args.kernels)
+    compiled = forward.func.lower(params, runner.cache, runner.last_tokens, inputs, **forward.keywords).compile()
+    logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), np.float32, sharding=replicated)
+    sample = step.sample_step.lower(logits, jax.device_put(sampling, replicated), runner.last_tokens, None,
+                                    layout=sampling_layout, num_top_logprobs=0, path=0).compile()
 
     def issue_ahead(label: str, forward_for) -> None:
         """Steps issued one ahead with forward_for(i) as step i's forward program."""
+        nonlocal inputs
         put, call_f, call_s, whole = [], [], [], []
         previous = None
         for i in range(args.steps + 5):
             t0 = time.perf_counter()
-            device_in = runner._put((host, sampling))
-            inputs = runner._inputs[layout.size] = step.stage_inputs(runner._input_buffer(layout.size),
-                                                                     device_in[0])
+            device_in = jax.device_put((host, sampling), replicated)
+            inputs = step.stage_inputs(inputs, device_in[0])
             t1 = time.perf_counter()
             logits, runner.cache = forward_for(i)(params, runner.cache, runner.last_tokens, inputs)
             t2 = time.perf_counter()
@@ -140,25 +147,24 @@ def main(argv: list[str] | None = None) -> None:
                      (f"{label}: sampler call", median_us(call_s)),
                      (f"{label}: whole step, issued one ahead", median_us(whole))])
 
-    issue_ahead("compiled", lambda i: runner._forwards[1])
-    jitted = functools.partial(step.forward, layout=layout, cfg=cfg, mesh=mesh)
+    issue_ahead("compiled", lambda i: compiled)
     t0 = time.perf_counter()
-    _, runner.cache = jitted(params, runner.cache, runner.last_tokens, runner._inputs[layout.size])  # compiles, or hits
+    _, runner.cache = forward(params, runner.cache, runner.last_tokens, inputs)  # compiles, or hits
     rows.append(("jit: first call (compile or cache hit)", median_us([time.perf_counter() - t0])))
-    issue_ahead("jit", lambda i: jitted)
+    issue_ahead("jit", lambda i: forward)
     blocked = []
     for _ in range(20):
         t0 = time.perf_counter()
-        logits, runner.cache = runner._forward(layout)(params, runner.cache, runner.last_tokens,
-                                                       runner._inputs[layout.size])
+        logits, runner.cache = compiled(params, runner.cache, runner.last_tokens, inputs)
         jax.block_until_ready(logits)
         blocked.append(time.perf_counter() - t0)
     rows.append(("forward call and wait (1 token)", median_us(blocked)))
     if args.profile:
         def one_step():
-            device_in = runner._put((host, sampling))
-            inputs = runner._inputs[layout.size] = step.stage_inputs(runner._input_buffer(layout.size), device_in[0])
-            logits, runner.cache = runner._forward(layout)(params, runner.cache, runner.last_tokens, inputs)
+            nonlocal inputs
+            device_in = jax.device_put((host, sampling), replicated)
+            inputs = step.stage_inputs(inputs, device_in[0])
+            logits, runner.cache = compiled(params, runner.cache, runner.last_tokens, inputs)
             result, runner.last_tokens, _ = sample(logits, device_in[1], runner.last_tokens, None)
             return result
 

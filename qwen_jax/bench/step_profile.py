@@ -92,7 +92,7 @@ def time_steps(runner: ModelRunner, rows: list[Row], steps: int) -> dict:
 
 
 def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, bandwidth: float,
-               profile: bool) -> dict:
+               profile: int) -> dict:
     """Decode steps of `batch` rows, each one token at position `context` (its `context` earlier tokens' KV pages in
     its block table), as many a program as the engine runs for this batch (`decode_steps`; then `step_ms` is the
     program's and `token_ms` each token's)."""
@@ -108,11 +108,11 @@ def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, b
            "token_ms": round(token_ms, 3), "roofline_ms": round(roofline_s * 1e3, 3),
            "fraction_of_roofline": round(roofline_s * 1e3 / token_ms, 3)}
     if profile:
-        row["profile"] = profile_calls(lambda: runner.execute(runner.prepare(rows)).tokens)
+        row["profile"] = profile_calls(lambda: runner.execute(runner.prepare(rows)).tokens, top=profile)
     return row
 
 
-def prefill_row(runner: ModelRunner, cfg, length: int, steps: int, profile: bool) -> dict:
+def prefill_row(runner: ModelRunner, cfg, length: int, steps: int, profile: int) -> dict:
     """Steps that prefill one whole prompt of `length` tokens from position 0."""
     rows = [Row(fake_sequences(1, length, cfg.vocab_size, 1)[0], 0, length, samples=True)]
     timed = time_steps(runner, rows, steps)
@@ -120,7 +120,7 @@ def prefill_row(runner: ModelRunner, cfg, length: int, steps: int, profile: bool
     row = {"prefill_tokens": length, **timed, "tokens_per_s": round(length / seconds),
            "tflops": round(prefill_flops_per_token(cfg, length) * length / seconds / 1e12, 1)}
     if profile:
-        row["profile"] = profile_calls(lambda: runner.execute(runner.prepare(rows)).tokens, calls=2)
+        row["profile"] = profile_calls(lambda: runner.execute(runner.prepare(rows)).tokens, calls=2, top=profile)
     return row
 
 
@@ -144,7 +144,7 @@ def layer_row(runner: ModelRunner, cfg, batch: int, context: int) -> dict:
     ragged_batch = jax.tree.map(jnp.asarray, ragged([context] * batch, [1] * batch, range(1, batch + 1), tables,
                                                     batch, batch, runner.table_width))
     x = jax.random.normal(jax.random.key(0), (batch, cfg.hidden_size), jnp.float32).astype(cfg.jnp_dtype)
-    inv, ops = jnp.asarray(cfg.rope_inv_freq()), ops_for(cfg.kernels)
+    inv, ops = jnp.asarray(cfg.rope_inv_freq()), ops_for(runner.kernels)
     row = {"layer_batch": batch}
     attn_i = cfg.attention_layers[0]
     f = jax.jit(lambda x, p, c, b: attention_layer(x, p, c, b, cfg, inv, ops.attention, ops.dense)[0])
@@ -183,15 +183,16 @@ def main(argv: Seq[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per decode batch (prefill: a quarter)")
     ap.add_argument("--num-scheduler-steps", type=int, default=None,
                     help="decode steps per program for small batches, as the engine argument (default: the engine's)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also sum the GPU kernels of each step under the profiler (gpu_profile.py)")
+    ap.add_argument("--profile", type=int, nargs="?", const=15, default=0, metavar="TOP",
+                    help="also sum the GPU kernels of each step under the profiler (gpu_profile.py) and list the TOP "
+                         "(default 15) that take the most time")
     ap.add_argument("--prefill", default="",
                     help="comma-separated prompt lengths: time the step that prefills one prompt of each length")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="one replica over this many devices")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="experts split over the devices (EP)")
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer-kind breakdown")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config).with_kernels(args.kernels)
+    cfg = load_config(args.config)
     batches, prefills = _ints(args.batches), _ints(args.prefill)
     mesh = make_mesh(args.tensor_parallel_size, 1, args.enable_expert_parallel)
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
@@ -201,7 +202,7 @@ def main(argv: Seq[str] | None = None) -> dict:
     blocks = max(max(batches, default=0) * blocks_for(args.context + 1, ahead), blocks_for(longest))
     sizes = engine_args(dict(max_num_seqs=max(batches, default=1), max_num_batched_tokens=max([*batches, *prefills]),
                              block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks,
-                             num_scheduler_steps=args.num_scheduler_steps))
+                             num_scheduler_steps=args.num_scheduler_steps, kernels=args.kernels))
     runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
               "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "prefill": [], "layers": [],

@@ -29,6 +29,9 @@ from sharding.mesh import describe as describe_mesh
 # takes about 7 ms), and one program for several steps is issued once.
 DECODE_STEPS = 4
 DECODE_STEPS_MAX_ROWS = 8
+# The default token budget of a step (engine argument max_num_batched_tokens; core.py says why).
+GPU_BATCHED_TOKENS = 8192
+BATCHED_TOKENS = 2048
 
 
 class Replica:
@@ -40,7 +43,10 @@ class Replica:
         self.mesh = mesh
         self.max_model_len = max_model_len
         self.max_num_seqs = int(args["max_num_seqs"])
-        self.max_num_batched_tokens = int(args["max_num_batched_tokens"])
+        budget = args["max_num_batched_tokens"]
+        if budget is None:
+            budget = GPU_BATCHED_TOKENS if jax.default_backend() == "gpu" else BATCHED_TOKENS
+        self.max_num_batched_tokens = int(budget)
         self.block_size = int(args["block_size"])
         self._size_memory(args)
         self.blocks = BlockPool(self.num_blocks, self.block_size)
@@ -55,7 +61,8 @@ class Replica:
         self.runner = ModelRunner(cfg, params, self.num_blocks, self.block_size, self.max_num_seqs + 1,
                                   self.num_snapshots if self.prefix_cache else 0, max_model_len, self.max_num_seqs,
                                   self.max_num_batched_tokens, eos_token_ids, seed=seed, mesh=mesh,
-                                  decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS)
+                                  decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS,
+                                  kernels=args["kernels"])
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
     def _size_memory(self, args: dict) -> None:

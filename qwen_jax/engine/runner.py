@@ -48,11 +48,13 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict | None, num_blocks: int, block_size: int, num_slots: int,
                  num_snapshots: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, decode_steps: int = 1,
-                 decode_steps_max_rows: int = 0):
+                 decode_steps_max_rows: int = 0, kernels: str = "reference"):
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules. None: the
         mesh is on other hosts (a data-parallel replica there); this runner only writes its steps down, and its
-        executor sends them where they run (engine/multihost.py)."""
+        executor sends them where they run (engine/multihost.py). `kernels`: the hot ops' implementation
+        (qwen_jax/layers/ops.py)."""
         self.cfg = cfg
+        self.kernels = kernels
         self.params = params
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.block_size = block_size
@@ -285,7 +287,7 @@ class ModelRunner:
         buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
         return step.forward.lower(self._abstract(self.params), self._abstract(self.cache),
                                   self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
-                                  mesh=self.mesh).compile()
+                                  mesh=self.mesh, kernels=self.kernels).compile()
 
     def max_decode_steps(self, seqs: list) -> int:
         """Decode steps the running sequences `seqs` may run in one program: decode_steps when they are few enough
@@ -307,7 +309,7 @@ class ModelRunner:
         if compiled is not None and (sampling_layout, path, top, steps) == (compiled[0], 0, 0, self.decode_steps):
             return compiled[1]
         return functools.partial(step.decode_steps, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
-                                 mesh=self.mesh, steps=steps, num_top_logprobs=top, path=path)
+                                 mesh=self.mesh, kernels=self.kernels, steps=steps, num_top_logprobs=top, path=path)
 
     def _compile_decoder(self, size: int) -> None:
         layout = self.step_inputs_for(size)[1]
@@ -317,7 +319,7 @@ class ModelRunner:
         self._decoders[size] = sampling_layout, step.decode_steps.lower(
             self._abstract(self.params), self._abstract(self.cache), self._abstract(self.last_tokens), buffer,
             sampling, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh,
-            steps=self.decode_steps, num_top_logprobs=0, path=0).compile()
+            kernels=self.kernels, steps=self.decode_steps, num_top_logprobs=0, path=0).compile()
 
     def _input_buffer(self, size: int) -> jax.Array:
         buffer = self._inputs.get(size)

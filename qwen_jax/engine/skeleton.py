@@ -22,6 +22,7 @@ from qwen_jax.engine import step
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.runner import bucket
 from qwen_jax.layers.batch import ragged
+from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.weights import (
     DictSource,
     SafetensorsSource,
@@ -55,7 +56,8 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, device: jax.Device, max_num_seqs: int = 8,
                  max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192,
                  kernels: str = "reference"):
-        self.cfg = cfg = cfg.with_kernels(kernels)  # "gpu": the Pallas kernels (pallas_kernels/) where one exists
+        self.cfg = cfg
+        self.kernels = resolve_kernels(kernels)  # "gpu": the kernels of pallas_kernels/ (qwen_jax/layers/ops.py)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.params = params
         self.device = device
@@ -169,7 +171,7 @@ class Engine:
         buffer, layout = step.pack_inputs(flat, batch)
         logits, self.cache = step.forward(self.params, self.cache, self._no_tokens,
                                           jax.device_put(buffer, self.device), layout=layout, cfg=self.cfg,
-                                          mesh=self.mesh)
+                                          mesh=self.mesh, kernels=self.kernels)
         return logits[:len(request_ids)]
 
 

@@ -29,11 +29,13 @@ EXACT = {"xla_allow_excess_precision": False}
 
 
 def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
-    """The token counts a step is padded to (one compiled forward each): powers of two up to 512, then steps of
-    512, and the token budget itself. Small steps (decode at low concurrency) pad little; large ones are rarer and
-    mostly fill the budget (the scheduler fills it whenever a prompt waits)."""
+    """The token counts a step is padded to (one compiled forward each): powers of two up to 512, steps of 512 up
+    to 2048, then steps of 2048, and the token budget itself. Small steps (decode at low concurrency) pad little;
+    large ones are prefill steps, which mostly fill the budget (the scheduler fills it whenever a prompt waits), so
+    few buckets serve them and a cold start compiles few programs."""
     budget = int(max_num_batched_tokens)
-    sizes = {1 << i for i in range(10) if 1 << i < budget} | set(range(512, budget, 512)) | {budget}
+    sizes = ({1 << i for i in range(10) if 1 << i < budget} | set(range(512, min(budget, 2048), 512))
+             | set(range(2048, budget, 2048)) | {budget})
     return sorted(sizes)
 
 
@@ -135,25 +137,27 @@ def sampling_tensors(buffer: jax.Array, layout: Layout) -> SamplingTensors:
     return SamplingTensors(**unpack(buffer, layout))
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh"), donate_argnames=("cache",),
+@functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh", "kernels"), donate_argnames=("cache",),
                    compiler_options=EXACT)
 def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array, *, layout: Layout,
-            cfg: ModelConfig, mesh: Mesh) -> tuple[jax.Array, dict]:
-    """One step's forward: (float32 logits [R, V] of each request's last token, the updated cache).
+            cfg: ModelConfig, mesh: Mesh, kernels: str) -> tuple[jax.Array, dict]:
+    """One step's forward: (float32 logits [R, V] of each request's last token, the updated cache); `kernels`: the
+    hot ops' implementation (qwen_jax/layers/ops.py).
     buffer (packed): tokens [T] with token_source [T] (>= 0: the token is that row of the previous step's sampled
     tokens `last_tokens`, still on the device; -1: tokens[t]), the Ragged fields, sample_index [R]."""
     tokens, batch, sample_index = step_batch(buffer, layout, last_tokens)
-    logits, cache = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh), sample_index)
+    logits, cache = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh, kernels),
+                                   sample_index)
     layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
     return jax.lax.with_sharding_constraint(logits, replicated(mesh)), {"layers": layers}
 
 
 # ---- several decode steps in one program -----------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "steps", "num_top_logprobs",
-                                             "path"),
+@functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "kernels", "steps",
+                                             "num_top_logprobs", "path"),
                    donate_argnames=("cache", "last_tokens"), compiler_options=EXACT)
 def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array, sampling: jax.Array, *,
-                 layout: Layout, sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh, steps: int,
+                 layout: Layout, sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh, kernels: str, steps: int,
                  num_top_logprobs: int, path: int) -> tuple[SampleOutput, dict, jax.Array]:
     """`steps` decode steps of a batch of one-token requests, each step's sampled tokens the next one's inputs, in
     one program: one call from the host for several tokens, where a small batch's step costs the host more to issue
@@ -165,7 +169,7 @@ def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.
     live = batch.query_len > 0
     # each request's one token sits at its sample index; a padding request's sample goes nowhere
     at = jnp.where(live, sample_index, tokens.shape[0])
-    ops = ops_for_mesh(cfg, mesh)
+    ops = ops_for_mesh(cfg, mesh, kernels)
 
     def one(j, carry):
         cache, tokens, outs = carry

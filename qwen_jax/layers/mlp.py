@@ -1,6 +1,6 @@
-"""SwiGLU MLP and the sparse mixture of experts (softmax top-k routing, optional shared expert).
+"""SwiGLU MLP and the sparse mixture of experts (softmax top-k routing, optional shared expert), in plain jnp.
 
-Reference math: the grouped GEMM here is `jax.lax.ragged_dot`; `kernels="gpu"` swaps in pallas_kernels/moe_gemm.py.
+Reference math (the grouped GEMM is `jax.lax.ragged_dot`): it never picks a kernel; layers/ops.py passes kernels in.
 """
 
 import jax
@@ -77,36 +77,6 @@ def routed_experts_f32(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate:
     return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
-def dense_impl(kernels: str):
-    """The one switch for the projections: "reference" (`dense`, XLA's dots) or "gpu" (the one-row kernel of
-    pallas_kernels/skinny_matmul.py where it pays). Same signature as dense."""
-    if kernels == "gpu":
-        from pallas_kernels.skinny_matmul import dense as dense_kernel  # lazy: pallas_kernels imports this module
-
-        return dense_kernel
-    return dense
-
-
-def route_logits_impl(kernels: str):
-    """The one switch for routing from the router's logits: "reference" (`route_logits`: XLA's softmax, top_k and
-    sum) or "gpu" (pallas_kernels/router.py: one launch). Same signature as route_logits."""
-    if kernels == "gpu":
-        from pallas_kernels.router import route_logits as route_kernel  # lazy: pallas_kernels imports this module
-
-        return route_kernel
-    return route_logits
-
-
-def routed_experts_impl(kernels: str):
-    """The one switch for the routed experts: "reference" (ragged_dot above) or "gpu" (the Pallas grouped GEMM,
-    which reads only the experts that received tokens). Same signature as routed_experts_f32."""
-    if kernels == "gpu":
-        from pallas_kernels.moe_gemm import routed_experts  # lazy: pallas_kernels imports this module
-
-        return routed_experts
-    return routed_experts_f32
-
-
 def drop_padding(ids: jax.Array, valid: jax.Array | None) -> jax.Array:
     """Routing ids [T, k] with the pairs of padding tokens sent to expert -1, which no device holds: every routed
     experts op drops them, so padding tokens read no expert's weights."""
@@ -114,17 +84,17 @@ def drop_padding(ids: jax.Array, valid: jax.Array | None) -> jax.Array:
 
 
 def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, valid: jax.Array | None = None,
-               kernels: str = "reference") -> jax.Array:
+               dense_op=dense, route_op=route_logits, experts_op=routed_experts_f32) -> jax.Array:
     """Routed experts plus, when present, a shared expert scaled by sigmoid(x @ shared_expert_gate).
-    valid [T]: the real tokens (None: all); padding tokens go to no expert."""
-    dense_op = dense_impl(kernels)
+    valid [T]: the real tokens (None: all); padding tokens go to no expert. dense_op, route_op, experts_op: the
+    projections, the routing from logits and the routed experts (these references, or kernels with their
+    contracts: layers/ops.py picks)."""
     shared = "shared_gate" in p
     names = ("router", "shared_gate", "shared_up", "shared_expert_gate") if shared else ("router",)
     logits, *shared_in = linears(x, tuple(p[n] for n in names), dense_op)  # the projections of x: one launch
-    weights, ids = route_logits_impl(kernels)(logits, top_k, renormalize)
+    weights, ids = route_op(logits, top_k, renormalize)
     ids = drop_padding(ids, valid)
-    routed = routed_experts_impl(kernels)
-    out = routed(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"]).astype(x.dtype)
+    out = experts_op(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"]).astype(x.dtype)
     if shared:
         gate, up, expert_gate = shared_in
         shared_out = linear(silu(gate) * up, p["shared_down"], dense_op)

@@ -1,5 +1,11 @@
-"""The hot ops of the layers as one bundle: the jnp references, or the Pallas kernels of pallas_kernels/ when
-kernels="gpu". Layers receive their op from a bundle and never pick one; sharding/ops.py wraps a bundle for a mesh.
+"""The hot ops of the layers as one bundle, and the ONE place that chooses between a kernel of pallas_kernels/ and
+its jnp reference here in qwen_jax/layers/: by backend and by shape. Layers receive their ops and never pick one.
+
+kernels="reference" gives the references everywhere; "auto" is "gpu" on a GPU backend, "reference" elsewhere.
+kernels="gpu" gives the kernels, except where one was measured no faster than XLA (the shape rules below: the
+one-row projection and norm kernels), where jax-triton is missing (the native Triton conv), or where the ops run
+under XLA's partitioner (`partitioned`: it cannot split a Pallas call; sharding/ops.py splits the others per device
+itself).
 
 Each op has one contract, shared by its reference and its kernel; `batch` is the step's flat ragged batch
 (qwen_jax.layers.batch.Ragged) and T its token count:
@@ -8,6 +14,8 @@ Each op has one contract, shared by its reference and its kernel; `batch` is the
   delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, batch) -> (out [T, nv, dv] in v's dtype, ssm)
                                                               (qwen_jax.layers.gated_deltanet.delta_rule)
   moe(x [T, H], p, top_k, renormalize, valid [T]) -> [T, H]    (qwen_jax.layers.mlp.sparse_moe)
+  experts(x [T, H], weights [T, k], ids [T, k], w_gate, w_up, w_down, first_expert=0) -> float32 [T, H], the routed
+      experts of moe alone, on the experts first_expert.. that the weights hold (qwen_jax.layers.mlp.routed_experts_f32)
   dense(x, w, contract=1) -> float32, x's last `contract` dims against w's first; w a tuple of weights -> a tuple
       (one x through several projections: one launch for the kernel)      (qwen_jax.layers.mlp.dense)
   norm(x, weight, eps, plus_one) -> x's dtype, the last axis RMS-normalised    (qwen_jax.layers.norms.rms_norm)
@@ -19,13 +27,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
-from qwen_jax.config import KERNELS
-from qwen_jax.layers.attention import paged_attention
+import jax
+
+from pallas_kernels import gdn, moe_gemm, paged_attention, rms_norm, router, skinny_matmul
+from pallas_kernels.tiling import triton_available
+from qwen_jax.layers.attention import paged_attention as attention_reference
 from qwen_jax.layers.gated_deltanet import causal_convs, delta_rule
-from qwen_jax.layers.mlp import dense, dense_impl, sparse_moe
-from qwen_jax.layers.norms import rms_norm
+from qwen_jax.layers.mlp import dense, routed_experts_f32, sparse_moe
+from qwen_jax.layers.norms import rms_norm as norm_reference
+
+KERNELS = ("auto", "gpu", "reference")  # the engine's `kernels` argument
+
+
+def resolve_kernels(kernels: str) -> str:
+    """"gpu" or "reference": the choice `kernels` names, "auto" being "gpu" on a GPU backend."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "auto":
+        return "gpu" if jax.default_backend() == "gpu" else "reference"
+    return kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,34 +56,76 @@ class Ops:
     attention: Callable
     delta_rule: Callable
     moe: Callable
+    experts: Callable
     dense: Callable
     norm: Callable
     conv: Callable
 
 
-def causal_convs_kernels(xs, caches, weights, batch):
-    """causal_convs' contract on the GPU kernels (pallas_kernels/causal_conv.py: decode rows' state updated in place,
-    prefill chunks in one launch) where jax-triton runs; the reference elsewhere."""
-    from pallas_kernels.moe_gemm import triton_available
+# Below this contraction XLA's one-row reduction is as fast as the one-row kernel. The shared expert's down
+# projection (K 512) took 2 us in XLA alone and 3 us in the kernel, but inside the model XLA ran it as a multiply
+# writing a float32 [512, 2048] product and a reduce of it (5 us, two kernels): through the kernel a B=1 step took
+# 0.1 ms less GPU time.
+MIN_K = 512
 
+# From two rows on XLA emits a GEMM, but for several weights of one x it first concatenates them on every call (its
+# dot merger): at 8-64 rows one launch over a layer's projections of 38-51 MB beat it (the GDN's q/k/v/z/b/a: 26-38
+# against 16-25 us; attention's q/k/v/gate: 15-23 against 11-16 us), while XLA won on single weights, 2-50 MB (one
+# 50 MB weight: 13-14 against 15-19 us) (H200, `python -m qwen_jax.bench.kernels --only skinny_matmul`).
+MIN_MANY_ROWS_BYTES = 32 * 2**20
+
+
+def dense_kernel(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: int = 1):
+    """The `dense` op on the one-row kernel (pallas_kernels/skinny_matmul.py) where it pays: K >= MIN_K, K a multiple
+    of 16, and one row, or up to its MAX_ROWS rows through several weights of MIN_MANY_ROWS_BYTES or more. The
+    weights whose widths are multiples of 16 share one launch, joined by those under 16 columns (the shared expert's
+    1-column gate: in XLA a launch of its own); a lone narrow weight and every other shape take the reference."""
+    ws = w if isinstance(w, tuple) else (w,)
+    lead = x.shape[:x.ndim - contract]
+    rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract:])
+    widths = [math.prod(wi.shape[contract:]) for wi in ws]
+    wide = [i for i, n in enumerate(widths) if n % 16 == 0]
+    fused = [i for i, n in enumerate(widths) if n % 16 == 0 or n < 16] if wide else []  # narrow ones only join
+    weight_bytes = sum(k * widths[i] * ws[i].dtype.itemsize for i in wide)
+    few_rows_pay = len(wide) > 1 and weight_bytes >= MIN_MANY_ROWS_BYTES
+    if rows > skinny_matmul.MAX_ROWS or k < MIN_K or k % 16 or not fused or rows > 1 and not few_rows_pay:
+        return dense(x, w, contract)
+    outs = dict(zip(fused, skinny_matmul.matmul_many(
+        x.reshape(rows, k), tuple(ws[i].reshape(k, widths[i]) for i in fused), **skinny_matmul.row_tiles(rows))))
+    out = tuple(outs[i].reshape(*lead, *wi.shape[contract:]) if i in outs else dense(x, wi, contract)
+                for i, wi in enumerate(ws))
+    return out if isinstance(w, tuple) else out[0]
+
+
+def norm_kernel(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
+    """The `norm` op on the one-row kernel (pallas_kernels/rms_norm.py) for one row, where XLA takes two kernels;
+    from two rows on XLA's one fused kernel (the reference)."""
+    if math.prod(x.shape[:-1]) == 1:
+        return rms_norm.rms_norm(x, weight, eps, plus_one)
+    return norm_reference(x, weight, eps, plus_one)
+
+
+def conv_kernel(xs, caches, weights, batch):
+    """The `conv` op on the native Triton kernels (pallas_kernels/causal_conv.py: decode rows' state updated in
+    place, prefill chunks in one launch) where jax-triton launches; the reference elsewhere."""
     if not triton_available():
         return causal_convs(xs, caches, weights, batch)
-    from pallas_kernels.causal_conv import causal_convs as kernel  # imports triton: GPU machines and tests only
+    from pallas_kernels import causal_conv  # imports triton, which only GPU machines and the tests install
 
-    return kernel(xs, caches, weights, batch)
+    return causal_conv.causal_convs(xs, caches, weights, batch)
 
 
-def ops_for(kernels: str) -> Ops:
-    """The one switch: "reference" (jnp) or "gpu" (the Pallas kernels where one exists)."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels == "reference":
-        return Ops(attention=paged_attention, delta_rule=delta_rule, moe=sparse_moe, dense=dense, norm=rms_norm,
-                   conv=causal_convs)
-    from pallas_kernels.gdn import delta_rule as delta_rule_kernel
-    from pallas_kernels.paged_attention import paged_attention as attention_kernel
-    from pallas_kernels.rms_norm import norm as norm_kernel
-
-    return Ops(attention=attention_kernel, delta_rule=delta_rule_kernel,
-               moe=functools.partial(sparse_moe, kernels="gpu"), dense=dense_impl("gpu"), norm=norm_kernel,
-               conv=causal_convs_kernels)
+def ops_for(kernels: str, partitioned: bool = False) -> Ops:
+    """The one switch: "reference" (the jnp ops), "gpu" (the kernels, by the rules in this module's docstring) or
+    "auto". partitioned: the ops run under XLA's partitioner over a mesh's model axes, so dense, norm and conv stay
+    XLA's."""
+    if resolve_kernels(kernels) == "reference":
+        return Ops(attention=attention_reference, delta_rule=delta_rule, moe=sparse_moe, experts=routed_experts_f32,
+                   dense=dense, norm=norm_reference, conv=causal_convs)
+    dense_op = dense if partitioned else dense_kernel
+    return Ops(attention=paged_attention.paged_attention, delta_rule=gdn.delta_rule,
+               moe=functools.partial(sparse_moe, dense_op=dense_op, route_op=router.route_logits,
+                                     experts_op=moe_gemm.routed_experts),
+               experts=moe_gemm.routed_experts, dense=dense_op,
+               norm=norm_reference if partitioned else norm_kernel,
+               conv=causal_convs if partitioned else conv_kernel)

@@ -20,7 +20,7 @@ from qwen_jax.layers.batch import Ragged
 from qwen_jax.layers.gated_deltanet import gdn_layer
 from qwen_jax.layers.mlp import swiglu_mlp
 from qwen_jax.layers.norms import rms_norm
-from qwen_jax.layers.ops import Ops, ops_for
+from qwen_jax.layers.ops import Ops
 
 F32 = jnp.float32
 
@@ -199,13 +199,12 @@ def logits_head(x: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
     return jnp.matmul(x, head, preferred_element_type=F32)
 
 
-def forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: ModelConfig,
-            ops: Ops | None = None, sample_index: jax.Array | None = None) -> tuple[jax.Array, dict]:
+def forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: ModelConfig, ops: Ops,
+            sample_index: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Run a step's new tokens [T] (the flat ragged batch `batch`) through the model, reading and updating the
     cache entries of its requests. Returns (float32 logits of the tokens `sample_index` [N] -> [N, V], or of every
-    token [T, V] when None; the new cache). `ops`: the hot ops (default: ops_for(cfg.kernels)); sharding/ops.py
-    gives the ones partitioned for a mesh. The engine's step program (engine/step.py) is this, jitted."""
-    ops = ops or ops_for(cfg.kernels)
+    token [T, V] when None; the new cache). `ops`: the hot ops (layers/ops.py; sharding/ops.py partitions them for a
+    mesh). The engine's step program (engine/step.py) is this, jitted."""
     x = params["embed"][tokens]
     new_layers = []
     for i, (p, c) in enumerate(zip(params["layers"], cache["layers"], strict=True)):

@@ -3,7 +3,7 @@
 import logging
 
 from qwen_jax import LLM
-from qwen_jax.engine.core import resolve_kernels
+from qwen_jax.layers.ops import resolve_kernels
 
 
 def test_auto_takes_the_references_on_the_cpu_and_says_so(caplog):
@@ -11,5 +11,5 @@ def test_auto_takes_the_references_on_the_cpu_and_says_so(caplog):
     assert (resolve_kernels("gpu"), resolve_kernels("reference")) == ("gpu", "reference")
     with caplog.at_level(logging.INFO, logger="qwen_jax"):
         llm = LLM(None, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, dtype="float32")
-    assert llm.engine.cfg.kernels == "reference"
+    assert llm.engine.args["kernels"] == "reference"
     assert "hot ops: the jnp references (kernels=auto)" in caplog.text

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels.moe_gemm import FEW_TOKENS, plan, reference, routed_experts
+from pallas_kernels.moe_gemm import FEW_TOKENS, plan, routed_experts
 from qwen_jax.layers.mlp import route
+from qwen_jax.layers.mlp import routed_experts_f32 as reference
 
 
 def make_inputs(seed: int, tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype=jnp.bfloat16):

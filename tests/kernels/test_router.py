@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels.router import reference, route_logits
+from pallas_kernels.router import route_logits
+from qwen_jax.layers.mlp import route_logits as reference
 
 
 def logits(seed: int, shape: tuple, dtype=jnp.bfloat16) -> jax.Array:

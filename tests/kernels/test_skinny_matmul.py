@@ -1,6 +1,6 @@
-"""The one-row Pallas matmul (interpret mode on CPU) against its jnp reference: row counts up to MAX_ROWS, split
-contractions, tiles that shrink to fit, the layers' `dense` contract it serves (and where it leaves XLA's dots),
-shapes it refuses; plus its lowering to one Triton call for CUDA."""
+"""The one-row Pallas matmul (interpret mode on CPU) against its jnp reference (the layers' dense): row counts up to
+MAX_ROWS, split contractions, tiles that shrink to fit, the `dense` op of layers/ops.py that runs it (and where that
+leaves XLA's dots), shapes it refuses; plus its lowering to one Triton call for CUDA."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +9,11 @@ import pytest
 from jax import export
 
 import pallas_kernels.skinny_matmul as skinny
-from pallas_kernels.moe_gemm import split_contraction
-from pallas_kernels.skinny_matmul import MAX_ROWS, dense, matmul, matmul_many, reference
+import qwen_jax.layers.ops as ops
+from pallas_kernels.skinny_matmul import MAX_ROWS, matmul, matmul_many
+from pallas_kernels.tiling import split_contraction
 from qwen_jax.layers.mlp import dense as dense_reference
+from qwen_jax.layers.ops import dense_kernel as dense
 
 
 def rel_err(x, y) -> float:
@@ -33,7 +35,7 @@ def test_matches_reference(rows, k, n, split_k):
     x, w = normal(rows, (rows, k)), normal(k + n, (k, n), 0.05)
     got = matmul(x, w, split_k=split_k)
     assert got.shape == (rows, n) and got.dtype == jnp.float32
-    assert rel_err(got, reference(x, w)) < 1e-5  # float32 sums of exact bf16 products: only the order differs
+    assert rel_err(got, dense_reference(x, w)) < 1e-5  # float32 sums of exact bf16 products: only the order differs
 
 
 def test_split_contraction_reaches_the_program_target_in_whole_steps():
@@ -53,13 +55,13 @@ def test_refuses_what_it_cannot_tile():
 @pytest.mark.parametrize("x_shape,w_shape,contract,kernel", [
     ((1, 1, 64), (64, 4, 16), 1, True),      # a decode step's q projection [B, S, H] x [H, heads, D]
     ((1, 1, 4, 16), (4, 16, 64), 2, True),   # its output projection [B, S, heads, D] x [heads, D, H]
-    ((2, 1, 64), (64, 4, 16), 1, False),     # two rows through small weights: XLA's GEMM is as fast (BENCH_H200.md)
+    ((2, 1, 64), (64, 4, 16), 1, False),     # two rows through small weights: XLA's GEMM is as fast on an H200
     ((1, 64), (64, 1), 1, False),            # one output column alone: narrow weights only join a launch
     ((1, 32), (32, 64), 1, False),           # K below MIN_K (here 64): XLA's reduction is as fast
 ])
 def test_dense_runs_the_kernel_for_one_row_only(x_shape, w_shape, contract, kernel, monkeypatch):
     calls = []
-    monkeypatch.setattr(skinny, "MIN_K", 64)  # the real 1,024 at these small shapes
+    monkeypatch.setattr(ops, "MIN_K", 64)  # the real 512 at these small shapes
     monkeypatch.setattr(skinny, "matmul_many", lambda *a, **kw: calls.append(1) or matmul_many(*a, **kw))
     x, w = normal(1, x_shape), normal(2, w_shape, 0.1)
     got, want = dense(x, w, contract), dense_reference(x, w, contract)
@@ -73,8 +75,8 @@ def test_dense_runs_the_kernel_for_a_few_rows_through_large_weights(rows, kernel
     the test's 24 KB): a layer's large projections at a decode step of a few sequences; 33-64 rows run a 64-row
     tile. One weight, or weights under the threshold: the kernel at one row only."""
     calls = []
-    monkeypatch.setattr(skinny, "MIN_K", 64)
-    monkeypatch.setattr(skinny, "MIN_MANY_ROWS_BYTES", 64 * 192 * 2)
+    monkeypatch.setattr(ops, "MIN_K", 64)
+    monkeypatch.setattr(ops, "MIN_MANY_ROWS_BYTES", 64 * 192 * 2)
     monkeypatch.setattr(skinny, "matmul_many", lambda *a, **kw: calls.append(kw) or matmul_many(*a, **kw))
     x, ws = normal(rows, (rows, 64)), (normal(5, (64, 128), 0.1), normal(6, (64, 64), 0.1))
     got, want = dense(x, ws), dense_reference(x, ws)
@@ -125,7 +127,7 @@ def test_many_weights_in_one_launch_match_each_reference(rows, widths, split_k):
     assert len(got) == len(ws)
     for out, w in zip(got, ws):
         assert out.shape == (rows, w.shape[1]) and out.dtype == jnp.float32
-        assert rel_err(out, reference(x, w)) < 1e-5
+        assert rel_err(out, dense_reference(x, w)) < 1e-5
 
 
 def test_many_weights_must_share_the_contraction():
@@ -139,7 +141,7 @@ def test_dense_of_a_tuple_runs_one_launch(monkeypatch):
     weight (as the shared expert's gate) share one launch; each result equals the reference's. Two rows: XLA's
     GEMMs."""
     launches = []
-    monkeypatch.setattr(skinny, "MIN_K", 64)
+    monkeypatch.setattr(ops, "MIN_K", 64)
     monkeypatch.setattr(skinny, "matmul_many", lambda x, ws, **kw: launches.append(len(ws)) or matmul_many(x, ws, **kw))
     x = normal(3, (1, 1, 64))
     shapes = [(64, 2, 16), (64, 2, 16), (64, 4, 16), (64, 4, 16), (64, 16), (64, 16), (64, 1)]

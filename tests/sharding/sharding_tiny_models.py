@@ -1,14 +1,17 @@
-"""Tiny hybrid-MoE (shared expert, 16 experts), hybrid-dense and LLaMA configs and the steps of the sharding tests.
+"""Tiny hybrid-MoE (shared expert, 16 experts), hybrid-dense and LLaMA configs, the steps of the sharding tests, and
+their logits on one device: what every layout must reproduce.
 
-All float32 and small enough that every layout compiles in seconds on a 2-core CPU; nothing here touches devices."""
+All float32 and small enough that every layout compiles in seconds on a 2-core CPU."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from qwen_jax.config import ModelConfig, from_hf_dict
 from qwen_jax.engine import step
 from qwen_jax.layers.batch import Ragged, ragged
+from sharding import mesh, rules
 
 _HYBRID = {
     "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
@@ -30,6 +33,7 @@ TINY_CONFIGS: dict[str, dict] = {
 # REQUESTS: the 3 prompts and one padding request; a request holds at most MAX_BLOCKS blocks (12 tokens).
 NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, MAX_BLOCKS, REQUESTS = 16, 4, 8, 3, 4
 PROMPT_LENS = (7, 3, 5)
+NUM_REAL = len(PROMPT_LENS)  # requests; the fourth is padding
 PREFILL_TOKENS, DECODE_TOKENS = 16, 4  # 15 prompt tokens and 3 decode tokens, each padded
 
 
@@ -77,3 +81,18 @@ def packed_steps() -> list[tuple[np.ndarray, np.ndarray, step.Layout]]:
         buffer, layout = step.pack_inputs(tokens, batch, source)
         packed.append((last_tokens, buffer, layout))
     return packed
+
+
+def single_device_logits(cfg: ModelConfig, params: dict) -> list[np.ndarray]:
+    """The served step (engine/step.py's forward) over packed_steps on one device: each step's logits of the real
+    requests."""
+    one = mesh.make_mesh(1)
+    params = rules.put_tree(params, rules.param_shardings(cfg, one))
+    cache = rules.init_cache(cfg, one, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
+    logits = []
+    for last_tokens, buffer, layout in packed_steps():
+        last_tokens, buffer = jax.device_put((last_tokens, buffer), step.replicated(one))
+        out, cache = step.forward(params, cache, last_tokens, buffer, layout=layout, cfg=cfg, mesh=one,
+                                  kernels="reference")
+        logits.append(np.asarray(out)[:NUM_REAL])
+    return logits

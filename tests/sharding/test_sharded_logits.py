@@ -1,10 +1,8 @@
-"""The engine's served step (engine/step.py's forward) on TP 2/4/8 and EP 8 meshes gives the single-device
-decoder.forward logits, holds about 1/N of the weights per device, and issues the expected collectives per decode
+"""The engine's served step (engine/step.py's forward) on TP 2/4/8 and EP 8 meshes gives its own logits on a single
+device, holds about 1/N of the weights per device, and issues the expected collectives per decode
 step. Data parallelism is one such program per replica (tests/sharding/test_data_parallel.py)."""
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import numpy as np
@@ -12,9 +10,10 @@ import pytest
 from sharding_tiny_models import (
     BLOCK_SIZE,
     NUM_BLOCKS,
+    NUM_REAL,
     NUM_SLOTS,
     packed_steps,
-    step_batches,
+    single_device_logits,
     tiny_config,
 )
 
@@ -29,21 +28,14 @@ KERNEL_LAYOUTS = ("tp2", "ep8", "ep4")
 # Leaves that stay whole on every device: norms, the router, the shared-expert gate scalar per token.
 SMALL_REPLICATED = {"input_norm", "post_norm", "final_norm", "q_norm", "k_norm", "norm", "router",
                     "shared_expert_gate"}
-NUM_REAL = 3  # requests; the fourth is padding
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_name):
     """(config, host params, single-device logits of each step) for one tiny model."""
     cfg = tiny_config(tiny_name)
-    params = decoder.random_params(cfg, seed=0, scale=0.05)
-    cache = decoder.init_cache(cfg, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
-    forward = jax.jit(functools.partial(decoder.forward, cfg=cfg))
-    logits = []
-    for tokens, batch in step_batches():
-        out, cache = forward(params, cache, tokens, batch, sample_index=step.sample_index(batch))
-        logits.append(np.asarray(out)[:NUM_REAL])
-    return cfg, jax.tree.map(np.asarray, params), logits
+    params = jax.tree.map(np.asarray, decoder.random_params(cfg, seed=0, scale=0.05))
+    return cfg, params, single_device_logits(cfg, params)
 
 
 def expected_decode_collectives(cfg) -> dict[str, int]:
@@ -105,7 +97,6 @@ def _check_sharded_steps(reference, layout: str, kernels: str) -> tuple:
     """The steps' logits, decode collectives and weight bytes per device; returns the config it ran and the decode
     step's trace."""
     cfg, host_params, ref_logits = reference
-    cfg = cfg.with_kernels(kernels)
     m = collectives.mesh_for(layout)
     params = rules.put_tree(host_params, rules.param_shardings(cfg, m))
     cache = rules.init_cache(cfg, m, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
@@ -113,10 +104,12 @@ def _check_sharded_steps(reference, layout: str, kernels: str) -> tuple:
     for i, ((last_tokens, buffer, layout_), ref) in enumerate(zip(packed_steps(), ref_logits, strict=True)):
         last_tokens, buffer = jax.device_put((last_tokens, buffer), step.replicated(m))
         if i == 1:  # both decode steps have one layout: one program
-            decode = step.forward.trace(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
+            decode = step.forward.trace(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m,
+                                        kernels=kernels)
             program = decode.lower().compile()
         if i == 0:
-            logits, cache = step.forward(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m)
+            logits, cache = step.forward(params, cache, last_tokens, buffer, layout=layout_, cfg=cfg, mesh=m,
+                                         kernels=kernels)
         else:
             logits, cache = program(params, cache, last_tokens, buffer)
         logits = np.asarray(logits)[:NUM_REAL]

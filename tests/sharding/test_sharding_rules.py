@@ -98,5 +98,5 @@ def test_partitioned_ops_reject_heads_that_straddle_a_replicated_kv_head():
 
     cfg = dataclasses.replace(tiny_config("llama"), num_heads=24, num_kv_heads=3)
     with pytest.raises(NotImplementedError, match="24 heads split 4 ways over 3 heads"):
-        ops_for_mesh(cfg, mesh.make_mesh(tensor_parallel_size=4))
-    ops_for_mesh(cfg, mesh.make_mesh(tensor_parallel_size=3))  # 8 query heads and their KV head per device
+        ops_for_mesh(cfg, mesh.make_mesh(tensor_parallel_size=4), "reference")
+    ops_for_mesh(cfg, mesh.make_mesh(tensor_parallel_size=3), "reference")  # 8 query heads and their KV head per device

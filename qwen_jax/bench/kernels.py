@@ -1,15 +1,18 @@
-"""GPU benchmark of the Pallas kernels against their jnp references (`python -m pallas_kernels.bench`): time, achieved
-bandwidth (and TFLOP/s for the MoE GEMM and attention) and on-device error per shape, as markdown tables. Never writes
-files and never touches the model. `--only gdn`, `--only gdn_prefill`, `--only moe` or `--only paged_attention` runs
-one kernel; `--only skinny_matmul` the one-row projections, `--only router` the MoE routing.
+"""GPU benchmark of the kernels of pallas_kernels/ against their jnp references (`python -m qwen_jax.bench.kernels`):
+time, achieved bandwidth (and TFLOP/s for the MoE GEMM and attention) and on-device error per shape, as markdown
+tables. Never touches the model. `--only gdn`, `--only gdn_prefill`, `--only moe` or `--only paged_attention` runs
+one kernel; `--only skinny_matmul` the one-row projections, `--only router` the MoE routing. `--write PATH` also
+writes the one-page table of every kernel at its default tiles (pallas_kernels/BENCH_H200.md is this file).
 
 Exit status: 0 when every kernel configuration lowered, ran and matched its reference; 1 otherwise (the reference
 timings are printed either way); 2 when there is no GPU and --small was not given.
 """
 
 import argparse
+import datetime
 import functools
 import itertools
+import shlex
 import statistics
 import sys
 import time
@@ -22,10 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import gdn, gdn_decode, gdn_prefill, moe_gemm, paged_attention, router, skinny_matmul
+from pallas_kernels.tiling import triton_available
+from qwen_jax.bench.gpu_profile import profile_calls
+from qwen_jax.bench.results import git_commit
 from qwen_jax.layers.attention import paged_attention as attention_reference
 from qwen_jax.layers.batch import ragged
+from qwen_jax.layers.gated_deltanet import causal_convs
 from qwen_jax.layers.gated_deltanet import delta_rule as gdn_reference
-from qwen_jax.layers.mlp import route, sparse_moe
+from qwen_jax.layers.mlp import dense, route, route_logits, routed_experts_f32
+from qwen_jax.layers.ops import ops_for
 
 PEAK_TBS = 4.3  # H200 HBM3e
 PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 tensor cores
@@ -35,6 +43,65 @@ MAX_REL_ERR = 1e-3
 CONFIGS = [(64, 4), (32, 4), (16, 2), (8, 1)]  # gdn_decode's (block_v, num_warps); the first is its default
 FULL = dict(batches=(1, 16, 64), nk=16, nv=32, dk=128, dv=128, repeats=50, inner=10)  # Qwen3.5-35B-A3B
 SMALL = dict(batches=(1, 3), nk=2, nv=4, dk=16, dv=16, repeats=3, inner=2)  # CPU interpret-mode smoke test
+
+
+# Roofline peaks by device kind: (HBM TB/s, dense bf16 TFLOP/s), the vendors' figures.
+ROOFLINES = {"NVIDIA H200": (4.8, 989.0), "NVIDIA H100 80GB HBM3": (3.35, 989.0)}
+
+
+@dataclass
+class Summary:
+    """One line of the one-page table (--write): a kernel at its default tiles on one shape."""
+
+    kernel: str
+    shape: str
+    us: float  # the kernel's time: its launches' GPU time (profiler) where measured, else per call
+    per_call_us: float  # the kernel timed as the reference is (chained, queued or profiled)
+    ref_us: float  # the layers' jnp reference compiled by XLA, per call
+    moved: float = float("nan")  # bytes the op reads and writes
+    flops: float = float("nan")
+
+
+def summary_table(rows: list[Summary], device_kind: str) -> str:
+    """The one-page table: per kernel and shape, its time, what it achieved against the device's roofline (the
+    bound its bytes or FLOPs set, whichever takes longer) and XLA's reference."""
+    tbs_peak, tflops_peak = ROOFLINES.get(device_kind, (float("nan"), float("nan")))
+    shown = lambda value, spec: "-" if value != value else format(value, spec)  # noqa: E731  (NaN: not measured)
+    lines = ["| kernel | shape | time (us) | achieved | of roofline | per call (us) | XLA reference (us) | vs XLA |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tbs, tflops = r.moved / r.us / 1e6, r.flops / r.us / 1e6
+        compute_bound = r.flops / tflops_peak > r.moved / tbs_peak  # False when the FLOPs are not counted
+        achieved = f"{tflops:.1f} TFLOP/s" if compute_bound else shown(tbs, ".2f") + " TB/s" * (tbs == tbs)
+        ratio = tflops / tflops_peak if compute_bound else tbs / tbs_peak
+        lines.append(f"| {r.kernel} | {r.shape} | {shown(r.us, '.1f')} | {achieved} | {shown(ratio, '.0%')} "
+                     f"| {shown(r.per_call_us, '.1f')} | {shown(r.ref_us, '.1f')} "
+                     f"| {shown(r.ref_us / r.per_call_us, '.2f')}{'x' * (r.ref_us == r.ref_us)} |")
+    return "\n".join(lines)
+
+
+def write_summary(path: str, rows: list[Summary], device_kind: str, command: str, commit: str | None,
+                  date: str, jax_version: str = jax.__version__, note: str = "") -> None:
+    """pallas_kernels/BENCH_H200.md's format: what was run where, how to read it, the table (`note`: a paragraph
+    after the list, for what the run does not say itself)."""
+    tbs_peak, tflops_peak = ROOFLINES.get(device_kind, (float("nan"), float("nan")))
+    header = f"""# Kernel benchmark
+
+Each kernel of pallas_kernels/ at its default tiles against its jnp reference in qwen_jax/layers/, at the
+Qwen3.5-35B-A3B shapes. Written by the benchmark itself; rerun its command on the GPU to refresh it (the history of
+the numbers is this file's git log; the command without `--defaults-only` also sweeps each kernel's tiles and prints
+per-kernel tables).
+
+- Device: {device_kind}, jax {jax_version}; measured {date} at commit {commit or "unknown"}.
+- Command: `{command}`
+- time: the GPU time of the kernel's launches (profiler) where the row has it, else its time per call. achieved
+  and of roofline: from that time, against {tbs_peak} TB/s of HBM or {tflops_peak:.0f} TFLOP/s of dense bf16,
+  whichever bound the op's bytes or FLOPs make the longer ("-": not counted). per call and XLA reference: the
+  kernel and the reference timed alike (calls chained in one program, queued, or profiled), so "vs XLA" compares
+  like with like.
+"""
+    with open(path, "w") as f:
+        f.write("\n".join([header, *([note, ""] if note else []), summary_table(rows, device_kind), ""]))
 
 
 @dataclass
@@ -118,7 +185,8 @@ def reference_on_cpu(inputs: dict, state: jax.Array) -> tuple[np.ndarray, np.nda
     return np.asarray(out), np.asarray(new_state)
 
 
-def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline: float, failures: list) -> list[Row]:
+def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline: float, failures: list,
+                summary: list[Summary]) -> list[Row]:
     nk, nv, dk, dv = dims["nk"], dims["nv"], dims["dk"], dims["dv"]
     repeats, inner = dims["repeats"], dims["inner"]
     inputs, state = make_inputs(batch, nk, nv, dk, dv)
@@ -157,11 +225,17 @@ def bench_shape(batch: int, dims: dict, configs: list, interpret: bool, deadline
                 alone = jax.jit(lambda s, x, bv=block_v, nw=num_warps: gdn_decode.decode(
                     **x, ssm=s, out=jnp.zeros(x["v"].shape, x["v"].dtype), block_v=bv, num_warps=nw),
                     donate_argnums=0)
+                profiled = []
                 for impl, fn in (("pallas delta_rule", step), ("pallas gdn_decode alone", alone)):
                     kernel = Row(batch, f"{impl}, GPU kernel time (profiler)", row.config)
                     kernel.queued_us = gpu_us(functools.partial(_step_in_place, fn, inputs, {"state": jnp.copy(state)}))
                     kernel.tbs = moved / kernel.queued_us / 1e6
-                    rows.append(kernel)
+                    profiled.append(kernel)
+                rows.extend(profiled)
+            if (block_v, num_warps) == configs[0]:  # the whole op (every launch): its GPU time where profiled
+                whole_us = row.queued_us if interpret else profiled[0].queued_us
+                summary.append(Summary("gdn (decode)", f"decode B={batch}", whole_us, row.queued_us,
+                                       rows[0].queued_us, moved))
         except Exception as e:  # a lowering or compile error: report it and keep going
             row.note = failure_note(e, f"B={batch} {row.config}")
         if row.note:
@@ -206,8 +280,6 @@ def gpu_us(call: Callable[[], object]) -> float:
     qwen_jax/bench/gpu_profile.py), so no host dispatch or gaps between launches. time_chained's figure for a ~70 us
     kernel runs 20-30 us above this on an H200; this is the one to hold against the roofline. NaN on the CPU (no
     kernel events)."""
-    from qwen_jax.bench.gpu_profile import profile_calls
-
     busy_ms = profile_calls(call, calls=5)["gpu_busy_ms_per_call"]
     return busy_ms * 1e3 if busy_ms > 0 else float("nan")
 
@@ -216,7 +288,7 @@ def gpu_us(call: Callable[[], object]) -> float:
 # holds (50 MB on an H100 / H200): one token's 8 experts are 50 MB, a GDN layer's input projections 51 MB. Timed on
 # one set, every call after the first finds much of its weights still in L2, which the model never does (each
 # layer reads other weights in between): one token's MoE measured 16 us that way and 19.4 us cycling through 8
-# routings, 19-20 us inside a decode step (BENCH_H200.md, nineteenth session).
+# routings, 19-20 us inside a decode step.
 CYCLED_SETS = 8
 
 
@@ -264,7 +336,7 @@ MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, shared_inter=32,
 # Expert-major few-token kernels, tried up to twice FEW_TOKENS: (block_n, block_k, num_warps, num_stages); the
 # first is the default.
 # Narrower column tiles (16-32: more programs at one token) and 128-deep k steps were slower at every size, also
-# with programs per pair (BENCH_H200.md).
+# with programs per pair.
 MOE_FEW_CONFIGS = [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4)]
 # Sorted blocks: (block_m, block_n, block_k, num_warps, num_stages), None: moe_gemm.default_tiles; below
 # MOE_SORTED_SWEEP tokens only the defaults run (for comparison with the few-token kernels).
@@ -320,7 +392,7 @@ def _moe_line(lines, tokens, used, moved, flops, ref_us, impl, config, us, err=f
 def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool, defaults_only: bool = False) -> list:
     """(impl, config label, routed_experts with that configuration) to time at this token count: the defaults,
     then (unless defaults_only) each layout's sweep (native Triton only on a GPU with jax-triton)."""
-    native = not interpret and moe_gemm.triton_available()
+    native = not interpret and triton_available()
     sweep = tokens >= MOE_SORTED_SWEEP and not small
     candidates = [dict()]
     if tokens <= 2 * moe_gemm.FEW_TOKENS:
@@ -349,7 +421,7 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool, defau
     return out
 
 
-def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failures: list,
+def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failures: list, summary: list[Summary],
               defaults_only: bool = False) -> str:
     """Routed experts alone (every configuration, or the default one), then the whole MoE layer (router, top-k,
     routed and shared expert) with the default kernels and with the reference, each chained `chain` times in one
@@ -371,11 +443,11 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
         flops = 2 * tokens * dims["top_k"] * 3 * h * i
         # ragged_dot materialises [groups, rows, H] on the GPU: the reference runs 2,048 tokens at a time (exact:
         # tokens are independent)
-        ref = jax.jit(moe_gemm.reference)
+        ref = jax.jit(routed_experts_f32)
         want = np.concatenate([np.asarray(ref(x[t:t + 2048], args[1][t:t + 2048], args[2][t:t + 2048], *experts),
                                           np.float64) for t in range(0, tokens, 2048)])
         # ragged_dot takes ~80 ms at 4,096 tokens and grows linearly: timed up to there
-        ref_us = time_chained(as_x(moe_gemm.reference), args, chain, repeats, operand_sets) if tokens <= 4096 \
+        ref_us = time_chained(as_x(routed_experts_f32), args, chain, repeats, operand_sets) if tokens <= 4096 \
             else float("nan")
         line = functools.partial(_moe_line, lines, tokens, used, moved, flops, ref_us)
         line("ragged_dot (XLA)", "-", ref_us)
@@ -387,10 +459,16 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
                 got = np.asarray(jax.jit(fn)(*args), np.float64)
                 err = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
                 note = "" if err < MOE_MAX_REL_ERR else f"rel err above {MOE_MAX_REL_ERR:g}"
-                line(impl, config, time_chained(as_x(fn), args, chain, repeats, operand_sets), err, note)
-                if impl.startswith("default") and not interpret:
-                    line(impl + ", GPU kernel time (profiler)", config,
-                         gpu_us_cycled(fn, [(x,) + operands for operands in operand_sets]), err, note)
+                chained = time_chained(as_x(fn), args, chain, repeats, operand_sets)
+                line(impl, config, chained, err, note)
+                if impl.startswith("default"):
+                    kernel_us = chained if interpret else gpu_us_cycled(fn, [(x,) + ops for ops in operand_sets])
+                    if not interpret:
+                        line(impl + ", GPU kernel time (profiler)", config, kernel_us, err, note)
+                    kernel = "moe_gemm, few-token" if "few-token" in impl else \
+                        "moe_triton, sorted" if "triton" in impl else "moe_gemm, sorted"
+                    summary.append(Summary(kernel, f"T={tokens} ({used:g} experts read)", kernel_us, chained,
+                                           ref_us, moved, flops))
             except Exception as e:  # a lowering or compile error: report it and keep going
                 note = failure_note(e, f"moe T={tokens} {config}")
                 line(impl, config, float("nan"), note=note)
@@ -402,7 +480,7 @@ def bench_moe(dims: dict, interpret: bool, small: bool, deadline: float, failure
         for kernels in ("reference", "gpu"):
             if kernels == "reference" and tokens > 4096 or time.perf_counter() > deadline:
                 continue
-            layer = functools.partial(sparse_moe, top_k=dims["top_k"], renormalize=True, kernels=kernels)
+            layer = functools.partial(ops_for(kernels).moe, top_k=dims["top_k"], renormalize=True)
             # chained through a residual, as in the model, each call on the next set's tokens (feeding the MoE's
             # small output back as x would route every token to the same few experts)
             us = time_chained(lambda q, tokens_in, p, layer=layer: q + layer(tokens_in, p), (x, x, p), chain,
@@ -451,7 +529,7 @@ def _pa_line(lines, case, moved, flops, roof, ref_us, impl, config, us, err=floa
 
 
 def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: float, failures: list,
-                          defaults_only: bool = False) -> str:
+                          summary: list[Summary], defaults_only: bool = False) -> str:
     lines = [f"| case | impl | config | us/call | TB/s (K, V, q, o) | TFLOP/s | roofline ({PA_PEAK_TBS} TB/s HBM or "
              f"{PEAK_TFLOPS:.0f} TFLOP/s) | vs reference | rel err | note |", "|---" * 10 + "|"]
     heads, kv, dim = dims["heads"], dims["kv_heads"], dims["head_dim"]
@@ -501,10 +579,13 @@ def bench_paged_attention(dims: dict, interpret: bool, small: bool, deadline: fl
             try:
                 err = rel_err(jax.jit(fn)(*args), want)
                 note = "" if err < PA_MAX_REL_ERR else f"rel err above {PA_MAX_REL_ERR:g}"
-                line("pallas paged_attention", config, time_chained(fn, args, chain, repeats), err, note)
-                if config == "defaults" and not interpret:
-                    line("pallas paged_attention, GPU kernel time (profiler)", config,
-                         gpu_us(functools.partial(jax.jit(fn), *args)), err, note)
+                chained = time_chained(fn, args, chain, repeats)
+                line("pallas paged_attention", config, chained, err, note)
+                if config == "defaults":
+                    kernel_us = chained if interpret else gpu_us(functools.partial(jax.jit(fn), *args))
+                    if not interpret:
+                        line("pallas paged_attention, GPU kernel time (profiler)", config, kernel_us, err, note)
+                    summary.append(Summary("paged_attention", case, kernel_us, chained, ref_us, moved, flops))
             except Exception as e:  # a lowering or compile error: report it and keep going
                 note = failure_note(e, f"paged_attention {case} {config}")
                 line("pallas paged_attention", config, float("nan"), note=note)
@@ -570,7 +651,8 @@ def _gp_line(lines, case, flops, moved, ref_us, impl, config, us, err_o=float("n
     print(lines[-1], flush=True)
 
 
-def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: float, failures: list) -> str:
+def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: float, failures: list,
+                      summary: list[Summary]) -> str:
     lines = [f"| case | impl | config | us/call | TFLOP/s | TB/s | of roofline ({PEAK_TFLOPS:.0f} TFLOP/s, "
              f"{PA_PEAK_TBS} TB/s) | vs reference | rel err out | rel err state | note |", "|---" * 11 + "|"]
     for rows, seq, spread in dims["cases"]:
@@ -602,6 +684,8 @@ def bench_gdn_prefill(dims: dict, configs: list, interpret: bool, deadline: floa
                     note = "padding outputs not 0 or outputs not finite"
                 us = time_call(fn, args, dims["repeats"], dims["inner"])
                 line("pallas gdn delta_rule", config, us, err_o, err_state, note)
+                if chunk is None:
+                    summary.append(Summary("gdn (prefill)", case, us, us, ref_us, cost[1], cost[0]))
             except Exception as e:  # a lowering or compile error: report it and keep going
                 note = failure_note(e, f"gdn_prefill {case} {config}")
                 line("pallas gdn delta_rule", config, float("nan"), note=note)
@@ -644,7 +728,8 @@ def _rounded(outs) -> tuple:
     return tuple(o.astype(jnp.bfloat16) for o in outs)
 
 
-def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failures: list) -> str:
+def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failures: list,
+                        summary: list[Summary]) -> str:
     """x [rows, K] @ each w [K, N] rounded to bf16, as the layers' dense op does: XLA's dots (reduction fusions at one
     row, GEMMs from two) against the kernel launched once per weight and once for all of them (matmul_many, with
     `dense`'s tiles), GPU time from the profiler (gpu_us_cycled over copies of the weights; NaN on the CPU). `dense`
@@ -655,8 +740,8 @@ def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failu
         keys = jax.random.split(jax.random.key(k * 7 + sum(widths)), 1 + len(widths))
         x = jax.random.normal(keys[0], (rows, k)).astype(jnp.bfloat16)
         ws = tuple((jax.random.normal(key, (k, n)) * 0.02).astype(jnp.bfloat16) for key, n in zip(keys[1:], widths))
-        tiles = skinny_matmul.row_tiles(rows)  # as skinny_matmul.dense
-        xla = jax.jit(lambda x, *ws: _rounded(skinny_matmul.reference(x, w) for w in ws))
+        tiles = skinny_matmul.row_tiles(rows)  # as the layers' dense op (qwen_jax/layers/ops.py)
+        xla = jax.jit(lambda x, *ws: _rounded(dense(x, w) for w in ws))
         apart = jax.jit(lambda x, *ws, tiles=tiles: _rounded(skinny_matmul.matmul(x, w, interpret=interpret, **tiles)
                                                              for w in ws))
         fused = jax.jit(lambda x, *ws, tiles=tiles: _rounded(skinny_matmul.matmul_many(x, ws, interpret=interpret,
@@ -676,6 +761,8 @@ def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failu
         if note:
             failures.append(f"skinny_matmul {rows} x {label}: {note}")
         mb = k * sum(widths) * 2 / 1e6
+        summary.append(Summary("skinny_matmul", f"x [{rows}, {k}] @ w [{k}, {' + '.join(map(str, widths))}]", us, us,
+                               xla_us, mb * 1e6))
         lines.append(f"| {rows} | {label} | {mb:.1f} | {xla_us:.1f} | {apart_us:.1f} | {us:.1f} | {mb / us:.2f} "
                      f"| {mb / us / PEAK_TBS:.0%} | {xla_us / us:.2f}x | {err:.1e} | {note} |")
         print(lines[-1], flush=True)
@@ -686,13 +773,13 @@ ROUTER_TOKENS_FULL, ROUTER_TOKENS_SMALL = (1, 8, 64, 512, 4096), (1, 5)
 ROUTER_DIMS = {"experts": 256, "top_k": 8}  # 35B-A3B
 
 
-def bench_router(token_counts: tuple, interpret: bool, failures: list) -> str:
+def bench_router(token_counts: tuple, interpret: bool, failures: list, summary: list[Summary]) -> str:
     """Softmax top-k routing from bf16 logits: XLA (the reference's softmax, top_k and renormalisation) against the
     one-launch kernel; GPU time from the profiler (NaN on the CPU). The ids must equal the reference's."""
     lines = ["| tokens | XLA us | kernel us | vs XLA | ids equal | max weight diff | note |",
              "|---|---|---|---|---|---|---|"]
     experts, top_k = ROUTER_DIMS["experts"], ROUTER_DIMS["top_k"]
-    xla = jax.jit(lambda x: router.reference(x, top_k, True))
+    xla = jax.jit(lambda x: route_logits(x, top_k, True))
     kernel = jax.jit(lambda x: router.route_logits(x, top_k, True, interpret=interpret))
     for tokens in token_counts:
         x = (jax.random.normal(jax.random.key(tokens), (tokens, experts)) * 2).astype(jnp.bfloat16)
@@ -708,6 +795,7 @@ def bench_router(token_counts: tuple, interpret: bool, failures: list) -> str:
             note = failure_note(e, f"router {tokens}")
         if note:
             failures.append(f"router {tokens} tokens: {note}")
+        summary.append(Summary("router", f"T={tokens}", us, us, xla_us))
         lines.append(f"| {tokens} | {xla_us:.1f} | {us:.1f} | {xla_us / us:.2f}x | {same} | {diff:.1e} | {note} |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
@@ -723,22 +811,18 @@ def conv_inputs(seed: int, shapes: list, scale: float) -> tuple:
     return tuple((jax.random.normal(key, shape) * scale).astype(jnp.bfloat16) for key, shape in zip(keys, shapes))
 
 
-def bench_causal_conv(shapes: tuple, failures: list) -> str:
+def bench_causal_conv(shapes: tuple, failures: list, summary: list[Summary]) -> str:
     """The GDN layer's three causal convs on their state slots (caches donated, as the engine runs the op) over
     ragged batches: prefills of `shapes` (rows x tokens a row; the last row a third as long, then padding tokens;
     every row a chunk after 64 tokens already in, its state read from its slot), then decode steps of CONV_DECODE
     rows (every fourth a one-token prompt). XLA's fusions of the reference (compiled as the engine compiles) against
     the kernels' two launches, GPU time from the profiler; the kernels must equal the reference bitwise (the real
     tokens' outputs, every cache slot). Native Triton (jax-triton): nothing to time without a GPU."""
-    from pallas_kernels.moe_gemm import triton_available
-
     lines = ["| rows x tokens | MB read + written | XLA us | kernel us | TB/s | of 4.3 TB/s | vs XLA | bitwise "
              "| note |", "|---|---|---|---|---|---|---|---|---|"]
     if not triton_available():
         return "\n".join(lines + ["| - | - | - | - | - | - | - | - | skipped: needs a GPU with jax-triton |"])
-    from pallas_kernels import causal_conv
-    from qwen_jax.layers.batch import ragged
-    from qwen_jax.layers.gated_deltanet import causal_convs
+    from pallas_kernels import causal_conv  # imports triton: GPU machines only
 
     exact = {"xla_allow_excess_precision": False}  # as the engine compiles: every bf16 rounding kept
     xla = jax.jit(causal_convs, compiler_options=exact, donate_argnums=(1,))
@@ -773,6 +857,7 @@ def bench_causal_conv(shapes: tuple, failures: list) -> str:
         # bf16 x in and out (the K taps re-read their inputs from L1); a decode row also reads and writes its K - 1
         # state rows
         mb = (8 if max(lens) == 1 else 2) * sum(x.size for x in xs) * 2 / 1e6
+        summary.append(Summary("causal_conv", label, us, us, xla_us, mb * 1e6))
         lines.append(f"| {label} | {mb:.2f} | {xla_us:.1f} | {us:.1f} | {mb / us:.2f} | {mb / us / PEAK_TBS:.0%} "
                      f"| {xla_us / us:.2f}x | {same} | {note} |")
         print(lines[-1], flush=True)
@@ -790,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("gdn", "gdn_prefill", "moe", "paged_attention", "skinny_matmul", "router",
                                            "causal_conv"),
                         help="benchmark one kernel")
+    parser.add_argument("--write", metavar="PATH", help="also write the one-page table of the kernels at their "
+                        "default tiles there (pallas_kernels/BENCH_H200.md)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     backend = jax.default_backend()
@@ -798,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no GPU backend; run with --small for a CPU interpret-mode smoke test", file=sys.stderr)
         return 2
     interpret = backend == "cpu"
-    failures = []
+    failures, summary = [], []
     if args.only in (None, "moe"):
         dims = MOE_SMALL if args.small else MOE_FULL
         if args.moe_tokens:
@@ -806,7 +893,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe_gemm: E={dims['experts']} H={dims['hidden']} I={dims['inter']} top_k={dims['top_k']}; "
               f"us/call = median of {dims['repeats']} x ({dims['chain']} calls chained in one program) / chain",
               flush=True)
-        text = bench_moe(dims, interpret, args.small, time.perf_counter() + args.budget_s, failures,
+        text = bench_moe(dims, interpret, args.small, time.perf_counter() + args.budget_s, failures, summary,
                          args.defaults_only)
         print(f"\n### moe_gemm on {jax.devices()[0].device_kind} ({time.perf_counter() - start:.0f} s)\n\n{text}\n")
     if args.only in (None, "gdn"):
@@ -816,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{dims['repeats']} repeats; queued = {dims['inner']} calls back to back, then block", flush=True)
         rows, gdn_start = [], time.perf_counter()
         for batch in dims["batches"]:
-            rows += bench_shape(batch, dims, configs, interpret, gdn_start + args.budget_s, failures)
+            rows += bench_shape(batch, dims, configs, interpret, gdn_start + args.budget_s, failures, summary)
         print(f"\n### gdn_decode on {jax.devices()[0].device_kind} ({time.perf_counter() - gdn_start:.0f} s)\n")
         print(table(rows))
     if args.only in (None, "paged_attention"):
@@ -824,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npaged_attention: heads={dims['heads']} kv_heads={dims['kv_heads']} D={dims['head_dim']} "
               f"block_size={dims['block_size']}, bf16; us/call = median of {dims['repeats']} x ({dims['chain']} "
               "calls chained in one program) / chain; roofline: decode HBM, prefill tensor cores", flush=True)
-        text = bench_paged_attention(dims, interpret, args.small, pa_start + args.budget_s, failures,
+        text = bench_paged_attention(dims, interpret, args.small, pa_start + args.budget_s, failures, summary,
                                      args.defaults_only)
         print(f"\n### paged_attention on {jax.devices()[0].device_kind} ({time.perf_counter() - pa_start:.0f} s)"
               f"\n\n{text}\n")
@@ -836,23 +923,28 @@ def main(argv: list[str] | None = None) -> int:
               "bytes / HBM)", flush=True)
         configs = GP_SMALL_CONFIGS if args.small else GP_CONFIGS
         text = bench_gdn_prefill(dims, configs[:1] if args.defaults_only else configs, interpret,
-                                 gp_start + args.budget_s, failures)
+                                 gp_start + args.budget_s, failures, summary)
         print(f"\n### gdn_prefill on {jax.devices()[0].device_kind} ({time.perf_counter() - gp_start:.0f} s)"
               f"\n\n{text}\n")
     if args.only in (None, "skinny_matmul"):
         print("\nskinny_matmul: decode rows, bf16; GPU time per call (profiler)", flush=True)
         text = bench_skinny_matmul(SKINNY_SMALL if args.small else SKINNY_FULL,
-                                   SKINNY_ROWS_SMALL if args.small else SKINNY_ROWS, interpret, failures)
+                                   SKINNY_ROWS_SMALL if args.small else SKINNY_ROWS, interpret, failures, summary)
         print(f"\n### skinny_matmul on {jax.devices()[0].device_kind}\n\n{text}\n")
     if args.only in (None, "router"):
         print(f"\nrouter: E={ROUTER_DIMS['experts']} top_k={ROUTER_DIMS['top_k']}, bf16 logits; GPU time per call "
               "(profiler)", flush=True)
-        text = bench_router(ROUTER_TOKENS_SMALL if args.small else ROUTER_TOKENS_FULL, interpret, failures)
+        text = bench_router(ROUTER_TOKENS_SMALL if args.small else ROUTER_TOKENS_FULL, interpret, failures, summary)
         print(f"\n### router on {jax.devices()[0].device_kind}\n\n{text}\n")
     if args.only in (None, "causal_conv"):
         print("\ncausal_conv: the GDN layer's q, k, v convs (kernel 4), bf16; GPU time per call (profiler)", flush=True)
-        text = bench_causal_conv(() if args.small else CONV_FULL, failures)
+        text = bench_causal_conv(() if args.small else CONV_FULL, failures, summary)
         print(f"\n### causal_conv on {jax.devices()[0].device_kind}\n\n{text}\n")
+    if args.write:
+        command = shlex.join(["python", "-m", "qwen_jax.bench.kernels",
+                              *(sys.argv[1:] if argv is None else argv)])
+        write_summary(args.write, summary, jax.devices()[0].device_kind, command, git_commit(),
+                      datetime.date.today().isoformat())
     return _report(failures)
 
 
