@@ -21,7 +21,7 @@ from qwen_jax.engine.model_files import (
     resolve_model,
     resolve_path,
 )
-from qwen_jax.engine.output import OutputProcessor, RequestFailed
+from qwen_jax.engine.output import OutputProcessor
 from qwen_jax.outputs import RequestOutput
 from qwen_jax.sampling_params import SamplingParams
 
@@ -54,7 +54,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion (continuous batching inside); outputs in prompt order."""
+        """Run every prompt to completion (continuous batching inside); outputs in prompt order. A request the engine
+        failed on ends with finish_reason "error" and its `error`; the others are unaffected."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -156,11 +157,10 @@ class AsyncLLM:
         self._stats = stats
         if ended:
             self._core.send(("abort", ended))
-        for item in results:
-            rid = item[0] if isinstance(item, tuple) else item.request_id
-            stream = self._streams.get(rid)
+        for out in results:
+            stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(item[1] if isinstance(item, tuple) else item)
+                stream.put_nowait(out)
 
     def _fail(self, reason: str) -> None:
         first = self.error is None
@@ -197,9 +197,9 @@ class AsyncLLM:
         try:
             while True:
                 item = await stream.get()
-                if isinstance(item, RequestFailed):  # the core refused this request; nothing else is affected
-                    finished = True
-                    raise ValueError(str(item))
+                if isinstance(item, RequestOutput) and item.error is not None:  # this request alone: refused
+                    finished = True  # (RequestRejected, a ValueError) or failed (RequestFailed)
+                    raise item.error
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -24,7 +24,7 @@ class RequestOutput:
     delta_token_ids: list[int]  # new since the previous output of this request
     delta_text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     logprobs: list[TokenLogprob] | None = None  # one per generated token when requested
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -32,3 +32,12 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     queue_seconds: float | None = None  # how long it waited in the engine's queue before it first ran
+    error: Exception | None = None  # finish_reason "error": RequestRejected (the request's own fault) or RequestFailed
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed while serving one request; the others go on."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused one request on arrival (it cannot be served as asked); the others go on."""

@@ -1,4 +1,4 @@
-"""SamplingParams: what a request asks of the sampler and of the stop checks, validated on construction.
+"""SamplingParams: what a request asks of the sampler, the stop checks and the grammar, validated on construction.
 
 Field names and defaults follow vLLM's, so OpenAI-style request fields map onto them one to one.
 """
@@ -6,6 +6,60 @@ Field names and defaults follow vLLM's, so OpenAI-style request fields map onto 
 from __future__ import annotations
 
 import dataclasses
+import json
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's structured outputs): exactly one of a JSON schema (`json`, a dict
+    or its text), any JSON object (`json_object`), a regular expression, one of the strings in `choice`, an EBNF
+    `grammar` (xgrammar's dialect) or an xgrammar `structural_tag` (tool calls). Its grammar is checked by
+    engine/grammar.py."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: dict | str | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (small models may loop on it)
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(self.KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict | str):
+                raise ValueError(f"structured_outputs.{name} must be an object or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if not isinstance(self.json_object, bool) or not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.json_object and disable_any_whitespace must be booleans")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def source(self) -> str:
+        """The grammar's text for the compiler: a JSON schema (json, json_object), a regex, EBNF (grammar, choice)
+        or a structural tag's JSON."""
+        kind = self.kind
+        if kind == "json_object":
+            return '{"type": "object"}'
+        if kind == "choice":  # each choice a quoted EBNF literal (JSON's escapes are EBNF's)
+            return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        value = getattr(self, kind)
+        return value if isinstance(value, str) else json.dumps(value)
 
 
 @dataclasses.dataclass
@@ -25,8 +79,12 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: off; 0: the chosen token's logprob; n: also the top n
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    structured_outputs: StructuredOutputsParams | None = None
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 300  # entries per request
+    LOGIT_BIAS_LIMIT = 100.0  # |bias|: +100 all but forces a token, -100 bans it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +123,24 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or
                                           not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             fail(f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            self._check_logit_bias(fail)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+
+    def _check_logit_bias(self, fail) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            fail(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+        if len(bias) > self.MAX_LOGIT_BIAS:
+            fail(f"logit_bias may hold at most {self.MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for token, value in bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                fail(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not -self.LOGIT_BIAS_LIMIT <= value <= self.LOGIT_BIAS_LIMIT):
+                fail(f"logit_bias values must be numbers in [-{self.LOGIT_BIAS_LIMIT:g}, {self.LOGIT_BIAS_LIMIT:g}], "
+                     f"got {value!r} for token {token}")
 
     @property
     def has_penalties(self) -> bool:

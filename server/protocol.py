@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from qwen_jax.sampling_params import SamplingParams
+from qwen_jax.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16  # choices (n, best_of) per prompt
 MAX_STOP = 16
@@ -335,6 +335,52 @@ class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise APIError("'response_format' of type json_schema needs 'json_schema.schema'",
+                           param="response_format.json_schema")
+        return self
+
+
+class StructuredOutputs(_Model):
+    """vLLM's structured outputs: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (or its text)")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_LIST)] | None = None
+    grammar: Text | None = Field(None, description="an EBNF grammar (xgrammar's dialect)")
+    json_object: bool = False
+    structural_tag: dict[str, Any] | str | None = Field(None, description="an xgrammar structural tag")
+    disable_any_whitespace: bool = Field(False, description="JSON: no whitespace between tokens")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputs:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, "json_" if name == "json" else name) not in (None, False)]
+        if len(given) != 1:
+            raise APIError(f"'structured_outputs' needs exactly one of json, regex, choice, grammar, json_object, "
+                           f"structural_tag; got {', '.join(given) or 'none'}", param="structured_outputs")
+        return self
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object, structural_tag=self.structural_tag,
+                                       disable_any_whitespace=self.disable_any_whitespace)
+
+
+def _arguments(text: str, param: str) -> dict:
+    """A tool call's arguments (JSON text in the API) as the object the chat templates iterate over."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise APIError(f"'{param}.function.arguments' must be a JSON object's text, got {_shown(text)}",
+                       param=f"{param}.function.arguments") from None
+    if not isinstance(value, dict):
+        raise APIError(f"'{param}.function.arguments' must be a JSON object's text, got {_shown(text)}",
+                       param=f"{param}.function.arguments")
+    return value
+
 
 # ---- requests ----------------------------------------------------------------------------------------------------
 
@@ -373,6 +419,12 @@ class _ChatPrompt(_Model):
             if key == "enable_thinking" and not isinstance(value, bool):
                 raise APIError(f"'chat_template_kwargs.enable_thinking' must be a boolean, got {_shown(value)}",
                                param="chat_template_kwargs.enable_thinking")
+        choice = self.tool_choice
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not self.tools:
+            raise APIError("'tool_choice' other than 'none' or 'auto' needs 'tools'", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise APIError(f"'tool_choice' names function {_shown(choice.function.name)}, which is not in 'tools'",
+                           param="tool_choice.function.name")
         return self
 
     @property
@@ -381,12 +433,33 @@ class _ChatPrompt(_Model):
         kwargs = self.chat_template_kwargs or {}
         return bool(kwargs["enable_thinking"] if "enable_thinking" in kwargs else self.thinking)
 
+    @property
+    def tools_on(self) -> bool:
+        """The tools reach the template and the reply is parsed for calls (tool_choice "none" turns both off)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def template_messages(self) -> list[dict]:
-        """The messages as the chat template reads them (developer messages are system messages to it)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages]
+        """The messages as the chat template reads them: developer messages are system messages to it, and an
+        assistant's tool calls carry their arguments as objects (the templates iterate over them)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                    "name": call.function.name, "arguments": _arguments(call.function.arguments,
+                                                                        f"messages[{i}].tool_calls[{j}]")}}
+                                         for j, call in enumerate(m.tool_calls)]
+            for name in ("name", "tool_call_id", "reasoning_content"):
+                if getattr(m, name) is not None:
+                    message[name] = getattr(m, name)
+            out.append(message)
+        return out
 
     def template_kwargs(self) -> dict:
-        return {**(self.chat_template_kwargs or {}), "enable_thinking": self.enable_thinking}
+        kwargs = {**(self.chat_template_kwargs or {}), "enable_thinking": self.enable_thinking}
+        if self.tools_on:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return kwargs
 
 
 class _Sampling(_Model):
@@ -414,8 +487,11 @@ class _Sampling(_Model):
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: PositiveInt32 | None = Field(None, description="keep only the prompt's last tokens")
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
-                          Field(max_length=MAX_LIST)] | None = None
+                          Field(max_length=SamplingParams.MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id -> a bias added to its logit before sampling (+100 forces, -100 bans)")
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's structured outputs (instead of response_format)")
     user: str | None = None
     # vLLM's fields that change the output and that this server does not implement: rejected unless left as is
     use_beam_search: bool = False
@@ -444,6 +520,8 @@ class _Sampling(_Model):
             raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(f"'best_of' ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+            raise APIError("give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
         if self.stream and self.candidates > self.n:
             raise APIError("'best_of' larger than n needs every candidate finished before choosing: not with "
                            "'stream'", param="best_of")
@@ -472,6 +550,17 @@ class _Sampling(_Model):
     def max_tokens_given(self) -> int | None:
         return self.max_tokens
 
+    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """What the output must match, from response_format or structured_outputs, and the parameter that asked."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params(), "structured_outputs"
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema), "response_format.json_schema.schema"
+
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters; max_tokens is a placeholder when not given (the room left fills it per prompt).
         best_of above n asks the engine for logprobs, which choose the candidates."""
@@ -485,7 +574,8 @@ class _Sampling(_Model):
             top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
 
 
 class ChatCompletionRequest(_Sampling, _ChatPrompt):

@@ -16,9 +16,10 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from qwen_jax.engine import grammar
 from qwen_jax.llm import EngineDead
-from qwen_jax.outputs import RequestOutput, TokenLogprob
-from qwen_jax.sampling_params import SamplingParams
+from qwen_jax.outputs import RequestFailed, RequestOutput, TokenLogprob
+from qwen_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from server.metrics import ServerMetrics
 from server.protocol import APIError, GenerationRequest, error_body
 
@@ -287,6 +288,10 @@ class ChoiceWriter:
         """The fields of the finished choice in a non-streamed response."""
         raise NotImplementedError
 
+    def finish_reason(self, out: RequestOutput) -> str | None:
+        """The finished choice's finish_reason (after `whole` or the last `piece`)."""
+        return out.finish_reason
+
 
 class Serving:
     """One generation endpoint: subclasses build the prompts and the choice writers; this runs the engine requests
@@ -306,9 +311,32 @@ class Serving:
     def writer(self, req: GenerationRequest, prompt: Prompt) -> ChoiceWriter:
         raise NotImplementedError
 
-    def jobs(self, req: GenerationRequest, prompts: list[Prompt]) -> list[Job]:
-        """One engine job per (prompt, candidate), with max_tokens checked against, or filled from, the context left;
-        prompts longer than truncate_prompt_tokens lose their beginning first."""
+    def constrained(self, req: GenerationRequest) -> bool:
+        """Whether the request's output must match a grammar (cheap: no grammar is built)."""
+        return req.constraint() is not None
+
+    def constraint(self, req: GenerationRequest) -> tuple[StructuredOutputsParams, str] | None:
+        """What the request's output must match and the parameter that asked for it (None: free text)."""
+        return req.constraint()
+
+    def _checked_constraint(self, req: GenerationRequest) -> StructuredOutputsParams | None:
+        """The constraint with its grammar parsed: a 400 naming the parameter when it does not parse. Runs on a
+        worker thread: the first constrained request imports the grammar engine (seconds)."""
+        found = self.constraint(req)
+        if found is None:
+            return None
+        spec, param = found
+        try:
+            grammar.check(spec)
+        except ValueError as exc:
+            raise APIError(str(exc), param=param) from None
+        return spec
+
+    def jobs(self, req: GenerationRequest, prompts: list[Prompt],
+             constraint: StructuredOutputsParams | None = None) -> list[Job]:
+        """One engine job per (prompt, candidate), with max_tokens checked against, or filled from, the context left,
+        and the output constrained by `constraint`; prompts longer than truncate_prompt_tokens lose their beginning
+        first."""
         max_len = self.state.engine.max_model_len
         what = self.prompt_param
         base = uuid.uuid4().hex
@@ -323,7 +351,7 @@ class Serving:
             if not ids:
                 raise APIError(f"the {what} is empty after tokenization", param=what)
             try:
-                params = req.sampling_params()
+                params = dataclasses.replace(req.sampling_params(), structured_outputs=constraint)
             except ValueError as exc:  # SamplingParams' own checks (the protocol's bounds are tighter)
                 raise APIError(str(exc)) from None
             if given is not None:
@@ -350,7 +378,8 @@ class Serving:
     async def generate(self, req: GenerationRequest) -> dict | ClosingStream:
         """The response body, or the SSE stream when the request asks for one."""
         prompts = self.prompts(req)
-        jobs = self.jobs(req, prompts)
+        constraint = await asyncio.to_thread(self._checked_constraint, req) if self.constrained(req) else None
+        jobs = self.jobs(req, prompts, constraint)
         self.state.admit(len(jobs))
         fanout = ChoiceFanout(self.state, jobs)
         try:
@@ -358,6 +387,9 @@ class Serving:
         except ValueError as exc:  # the engine's own check of the prompt
             await fanout.aclose()
             raise APIError(str(exc), param=self.prompt_param) from None
+        except RequestFailed as exc:
+            await fanout.aclose()
+            raise failed(exc) from None
         except BaseException:
             await fanout.aclose()
             raise
@@ -374,13 +406,16 @@ class Serving:
                 item = await fanout.next()
         except ValueError as exc:
             raise APIError(str(exc)) from None
+        except RequestFailed as exc:
+            raise failed(exc) from None
         finally:
             await fanout.aclose()
         choices = []
         for index, job in enumerate(self._best(req, jobs, finals)):
             out = finals[job.index]
-            choices.append({"index": index, **self.writer(req, prompts[job.prompt_index]).whole(out),
-                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+            writer = self.writer(req, prompts[job.prompt_index])
+            choices.append({"index": index, **writer.whole(out), "finish_reason": writer.finish_reason(out),
+                            "stop_reason": out.stop_reason})
         return {"id": rid, "object": self.object_name, "created": int(time.time()), "model": self.state.model_name,
                 "choices": choices, "usage": usage(prompts, jobs, finals)}
 
@@ -420,21 +455,26 @@ class Serving:
                 sent_tokens[job.index] = len(out.token_ids)
                 fields = writers[job.index].piece(out, logprobs)
                 if any(fields.values()) or out.finished:
-                    choice = {"index": job.index, **fields, "finish_reason": out.finish_reason if out.finished
-                              else None}
+                    choice = {"index": job.index, **fields,
+                              "finish_reason": writers[job.index].finish_reason(out) if out.finished else None}
                     if out.finished:
                         choice["stop_reason"] = out.stop_reason
                     yield sse({**head, "choices": [choice], **extra})
                 item = await fanout.next()
         except ValueError as exc:
             yield sse(error_body(str(exc)))
-        except EngineDead as exc:  # the stream still ends well-formed: an error event, then [DONE]
+        except (EngineDead, RequestFailed) as exc:  # the stream still ends well-formed: an error event, then [DONE]
             yield sse(error_body(str(exc), "server_error"))
         except APIError as exc:  # the server is shutting down
             yield sse(exc.body())
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage(prompts, jobs, finals)})
         yield "data: [DONE]\n\n"
+
+
+def failed(exc: RequestFailed) -> APIError:
+    """A request the engine failed on alone (the others go on): a 500 that says what went wrong."""
+    return APIError(str(exc), status=500, type="server_error")
 
 
 def usage(prompts: list[Prompt], jobs: list[Job], finals: dict[int, RequestOutput]) -> dict:

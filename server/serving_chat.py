@@ -1,17 +1,21 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, replies written as chat choices
-(the think block split into `reasoning_content`, logprobs with token bytes).
+"""POST /v1/chat/completions: messages (tool calls and results included) rendered with the model's chat template and
+its tools, replies written as chat choices (the think block split into `reasoning_content`, tool calls parsed into
+`tool_calls`, logprobs with token bytes).
 
 Builds prompts and choice fields only; the engine requests and the stream are serving.py's.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from qwen_jax.outputs import RequestOutput, TokenLogprob
+from qwen_jax.sampling_params import StructuredOutputsParams
 from server.protocol import APIError, ChatCompletionRequest, _ChatPrompt
-from server.reasoning import ReasoningSplitter
+from server.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
 from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts
+from server.tools import ToolCall, ToolParser, call_format, forcing_tag
 
 
 def render_chat(tokenizer: Any, req: _ChatPrompt, template: str | None = None) -> str:
@@ -21,11 +25,11 @@ def render_chat(tokenizer: Any, req: _ChatPrompt, template: str | None = None) -
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template (--chat-template gives one); use /v1/completions",
                        param="messages")
+    messages, kwargs = req.template_messages(), req.template_kwargs()
     try:
-        return tokenizer.apply_chat_template(req.template_messages(), chat_template=template, tokenize=False,
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message,
-                                             **req.template_kwargs())
+                                             continue_final_message=req.continue_final_message, **kwargs)
     except Exception as exc:  # jinja raise_exception(...) and template errors: the messages do not fit it
         raise APIError(f"the chat template rejected the messages: {str(exc)[:300]}", param="messages") from None
 
@@ -54,6 +58,9 @@ class ChatChoice(ChoiceWriter):
         self.thinking = req.enable_thinking
         self.echo = req.echo_text
         self.splitter = ReasoningSplitter(self.thinking)
+        # with tools on, the reply's content is parsed for tool calls
+        self.tools = ToolParser([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools_on else None
+        self.num_calls = 0
 
     def opening(self) -> dict:
         """The role comes first, once per choice (with the echoed message, if any)."""
@@ -64,11 +71,19 @@ class ChatChoice(ChoiceWriter):
         if out.finished:
             r2, c2 = self.splitter.flush()
             reasoning, content = reasoning + r2, content + c2
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if out.finished:
+                content += self.tools.flush()
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [call.openai(index=self.num_calls + k) for k, call in enumerate(calls)]
+            self.num_calls += len(calls)
         return {"delta": delta, "logprobs": chat_logprobs(self.token_texts, logprobs) if logprobs is not None
                 else None}
 
@@ -76,11 +91,22 @@ class ChatChoice(ChoiceWriter):
         split = ReasoningSplitter(self.thinking)
         reasoning, content = split.feed(out.text)
         r2, c2 = split.flush()
-        message: dict[str, Any] = {"role": "assistant", "content": self.echo + content + c2}
+        content = self.echo + content + c2
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            content, calls = self.tools.parse(content)
+            self.num_calls = len(calls)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
         if self.thinking:
             message["reasoning_content"] = reasoning + r2
         logprobs = chat_logprobs(self.token_texts, out.logprobs or []) if self.show_logprobs else None
         return {"message": message, "logprobs": logprobs}
+
+    def finish_reason(self, out: RequestOutput) -> str | None:
+        """"tool_calls" when the reply called a tool (as OpenAI and vLLM say), else the engine's reason."""
+        return "tool_calls" if self.num_calls else out.finish_reason
 
 
 class ChatServing(Serving):
@@ -94,3 +120,55 @@ class ChatServing(Serving):
 
     def writer(self, req: ChatCompletionRequest, prompt: Prompt) -> ChoiceWriter:
         return ChatChoice(self.state.token_texts, req)
+
+    def constrained(self, req: ChatCompletionRequest) -> bool:
+        return forces_tool(req) or super().constrained(req)
+
+    def constraint(self, req: ChatCompletionRequest) -> tuple[StructuredOutputsParams, str] | None:
+        """response_format / structured_outputs, or for tool_choice "required" or a named function the grammar of
+        a call in the format the chat template teaches (xgrammar's structural tag). With thinking on, the
+        constraint starts once the think block is closed."""
+        if not forces_tool(req):
+            found = super().constraint(req)
+            if found is None or not req.enable_thinking or found[0].kind == "structural_tag":
+                return found
+            return after_thinking(found[0]), found[1]
+        if req.constraint() is not None:
+            raise APIError("a forced tool call ('tool_choice' 'required' or a named function) cannot be combined "
+                           "with 'response_format' or 'structured_outputs'", param="tool_choice")
+        fmt = call_format(self.state.config.chat_template or getattr(self.state.tokenizer, "chat_template", None))
+        if fmt is None:
+            raise APIError("this model's chat template renders no tools, so no tool call can be forced: use "
+                           "'tool_choice' 'auto' or 'none'", param="tool_choice")
+        choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
+        try:
+            tag = forcing_tag(fmt, [t.model_dump(exclude_none=True) for t in req.tools], choice,
+                              req.enable_thinking, req.parallel_tool_calls is not False)
+        except Exception as exc:  # xgrammar's and pydantic's errors about the tools' schemas
+            raise APIError(f"the tools cannot be made into a grammar: {str(exc).strip().splitlines()[0][:300]}",
+                           param="tools") from None
+        return StructuredOutputsParams(structural_tag=tag), "tools"
+
+
+def after_thinking(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """The spec's grammar after a think block the prompt has opened: free reasoning up to `</think>`, then the
+    blank line the template puts there, then the constrained reply (an xgrammar structural tag)."""
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        schema = json.loads(spec.source)
+        # no whitespace run longer than the one space of ", " and ": " (a structural tag has no whitespace switch)
+        reply = {"type": "json_schema", "json_schema": schema,
+                 **({"max_whitespace_cnt": 1} if spec.disable_any_whitespace else {})}
+    elif kind == "regex":
+        reply = {"type": "regex", "pattern": spec.regex}
+    else:  # grammar, choice: EBNF
+        reply = {"type": "grammar", "grammar": spec.source}
+    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
+                "end": THINK_CLOSE}
+    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
+        "type": "sequence", "elements": [thinking, {"type": "const_string", "value": "\n\n"}, reply]}})
+
+
+def forces_tool(req: ChatCompletionRequest) -> bool:
+    """tool_choice "required" or a named function: the reply must be a tool call."""
+    return req.tools_on and req.tool_choice not in (None, "auto")

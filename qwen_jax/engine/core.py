@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
-from qwen_jax.engine import multihost
+from qwen_jax.engine import grammar, multihost
 from qwen_jax.engine.model_files import eos_ids, load_tokenizer, read_model_config, resolve_max_model_len
 from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
@@ -87,6 +87,7 @@ class CoreOutput:
     eos: bool = False  # the last new token is an EOS that ended the request: it is not part of the text
     num_cached_tokens: int = 0
     error: str | None = None  # finish_reason "error": what went wrong with this request alone
+    rejected: bool = False  # the error is the request's own (refused on arrival), not a failure while it ran
     queue_seconds: float | None = None  # how long it waited to be first scheduled
 
 
@@ -97,6 +98,11 @@ class _InFlight:
     replica: Replica
     rows: list[Row]
     out: SampleOutput
+
+    @property
+    def constrained(self) -> bool:
+        """It samples for a request under a grammar, whose next mask needs this step's token."""
+        return any(row.samples and row.seq.grammar is not None for row in self.rows)
 
 
 class EngineCore:
@@ -121,7 +127,9 @@ class EngineCore:
         cfg = self.cfg = read_model_config(model_path, args["dtype"])
         # a head layout the partitioned ops cannot split fails here, not mid-step
         ops_for_mesh(cfg, replica_meshes[0], kernels)
-        self.eos_token_ids = eos_ids(model_path, cfg, load_tokenizer(args["tokenizer"] or model_path))
+        tokenizer = load_tokenizer(args["tokenizer"] or model_path)
+        self.eos_token_ids = eos_ids(model_path, cfg, tokenizer)
+        self.grammars = grammar.GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
         t0 = time.perf_counter()
         replica_params = self._load_params(args, replica_meshes)
@@ -191,6 +199,8 @@ class EngineCore:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params)
+        if params.structured_outputs is not None:  # compiled here (cached); a schema seen before takes no time
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         replica = min(self.replicas, key=lambda r: r.num_unfinished)  # the least busy (ties: the lowest index)
         replica.add(seq)
         self.seqs[request_id] = seq
@@ -230,26 +240,60 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """Plan and issue the next step of every replica that has work, then read back the step issued before it
         and apply its tokens: the device always has the next step queued while the host works on the last one.
-        A request that ends at step N has one more token computed in step N+1, which is dropped."""
+        A request that ends at step N has one more token computed in step N+1, which is dropped. Anything that
+        raises while one request's share of a step is built or applied fails that request alone (`_fail`).
+        A replica whose last step sampled for a request under a grammar reads it back before planning the next (the
+        request's next mask needs that token), as vLLM does; other batches keep the step ahead."""
         start = time.perf_counter()
-        issued = []
+        issued, outputs = [], []
+        ahead = []
+        for step in self._in_flight:
+            if step.constrained:
+                outputs += self._apply(step)
+            else:
+                ahead.append(step)
         for replica in self.replicas:
             plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running))
-            if not plan.empty:
-                ops = replica.runner.prepare(plan.rows)
+            if plan.empty:
+                continue
+            rows, ops, failed = self._prepare(replica, plan.rows)
+            outputs += failed
+            if rows:
                 dispatch = time.perf_counter()
                 out = replica.runner.executor(ops)
                 self.dispatch_seconds += time.perf_counter() - dispatch
-                issued.append(_InFlight(replica, plan.rows, out))
+                issued.append(_InFlight(replica, rows, out))
         self.plan_seconds += time.perf_counter() - start
-        outputs = []
-        for step in self._in_flight:
+        for step in ahead:
             outputs += self._apply(step)
         self._in_flight = issued
         if issued or outputs:
             self.num_steps += 1
             self.step_seconds += time.perf_counter() - start
         return outputs
+
+    def _prepare(self, replica: Replica, rows: list[Row]) -> tuple[list[Row], list | None, list[CoreOutput]]:
+        """A planned step's ops; when building them raises, the requests whose rows fail alone are failed and the
+        step is built without them: (the rows issued, their ops, the failed requests' outputs). A failure that no
+        single row explains is the engine's and propagates."""
+        try:
+            return rows, replica.runner.prepare(rows), []
+        except Exception:
+            culprits = replica.runner.failing_rows(rows)
+            if not culprits:
+                raise
+        failed = [self._fail(replica, row.seq, exc) for row, exc in culprits]
+        rows = [row for row in rows if row.seq.request_id not in {out.request_id for out in failed}]
+        return rows, replica.runner.prepare(rows) if rows else None, failed
+
+    def _fail(self, replica: Replica, seq: Sequence, exc: Exception) -> CoreOutput:
+        """End one request because handling it raised: its client gets the error, every other request goes on."""
+        log.error("request %s failed in the engine core", seq.request_id, exc_info=exc)
+        if self.seqs.pop(seq.request_id, None) is not None:
+            self._replica_of.pop(seq.request_id)
+            replica.finish(seq, "error")
+        return CoreOutput(seq.request_id, [], finish_reason="error", num_cached_tokens=seq.num_cached_tokens,
+                          error=f"the engine failed on this request: {type(exc).__name__}: {exc}")
 
     def _apply(self, step: _InFlight) -> list[CoreOutput]:
         host = step.replica.runner.fetch(step.out)
@@ -259,27 +303,39 @@ class EngineCore:
         for i, row in enumerate(step.rows):
             if not row.samples:
                 continue
-            seq = row.seq
-            seq.num_pending -= row.steps
-            tokens, logprobs = [], [] if seq.params.logprobs is not None else None
-            out = None
-            for j in range(row.steps):
-                if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
-                    break
-                token = int(host.tokens[j, i])
-                seq.output_token_ids.append(token)
-                self.generation_tokens_total += 1
-                tokens.append(token)
-                if logprobs is not None:
-                    n = seq.params.logprobs
-                    top = [(int(a), float(b)) for a, b in zip(host.top_ids[j, i][:n], host.top_logprobs[j, i][:n],
-                                                              strict=True)]
-                    logprobs.append(TokenLogprob(token, float(host.logprobs[j, i]), top))
-                out = self._check_stop(step.replica, seq)
+            row.seq.num_pending -= row.steps
+            try:
+                out = self._apply_row(step.replica, row, host, i)
+            except Exception as exc:
+                out = self._fail(step.replica, row.seq, exc)
             if out is not None:
-                out.new_token_ids, out.new_logprobs = tokens, logprobs
                 outputs.append(out)
         return outputs
+
+    def _apply_row(self, replica: Replica, row: Row, host: SampleOutput, i: int) -> CoreOutput | None:
+        """Append row i's sampled tokens to its sequence and apply the stop rules; its output (None when it had
+        ended before this step came back)."""
+        seq = row.seq
+        tokens, logprobs = [], [] if seq.params.logprobs is not None else None
+        out = None
+        for j in range(row.steps):
+            if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
+                break
+            token = int(host.tokens[j, i])
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+            seq.output_token_ids.append(token)
+            self.generation_tokens_total += 1
+            tokens.append(token)
+            if logprobs is not None:
+                n = seq.params.logprobs
+                top = [(int(a), float(b)) for a, b in zip(host.top_ids[j, i][:n], host.top_logprobs[j, i][:n],
+                                                          strict=True)]
+                logprobs.append(TokenLogprob(token, float(host.logprobs[j, i]), top))
+            out = self._check_stop(replica, seq)
+        if out is not None:
+            out.new_token_ids, out.new_logprobs = tokens, logprobs
+        return out
 
     def _check_stop(self, replica: Replica, seq: Sequence) -> CoreOutput:
         """The token-level stop rules for the sequence's last token (stop strings are the front's): EOS and stop
@@ -290,6 +346,8 @@ class EngineCore:
         out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens, queue_seconds=seq.queue_seconds)
         if eos or (token in params.stop_token_ids and enough):
             out.finish_reason, out.stop_reason, out.eos = "stop", token, eos
+        elif seq.grammar is not None and seq.grammar.is_terminated:  # its stop token: nothing more may follow
+            out.finish_reason, out.stop_reason, out.eos = "stop", token, token in self.eos_token_ids
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             out.finish_reason = "length"
         if out.finish_reason is not None:
@@ -353,7 +411,8 @@ def _host_output(runner, out: SampleOutput | None) -> list | None:
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
     """Raise ValueError naming the problem when a request cannot be served by a model of this vocabulary and
-    context: every token id field is checked against the vocabulary here, at the edge."""
+    context: every token id field is checked against the vocabulary here, at the edge. (A structured output's
+    grammar is checked where it is compiled, EngineCore.add_request.)"""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty")
     bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size]
@@ -362,6 +421,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     bad = [t for t in params.stop_token_ids if not 0 <= int(t) < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.logit_bias or () if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if len(prompt_token_ids) + params.max_tokens > max_model_len:
         raise ValueError(f"this model's maximum context length is {max_model_len} tokens; the request has "
                          f"{len(prompt_token_ids)} prompt tokens and asks for {params.max_tokens} more")

@@ -89,7 +89,12 @@ def _serve(core, pull, send: Callable) -> None:
                 try:
                     core.add_request(rid, prompt, params)
                 except ValueError as exc:  # this request's problem only: the engine is untouched
-                    outputs.append(CoreOutput(rid, [], finish_reason="error", error=str(exc)))
+                    outputs.append(CoreOutput(rid, [], finish_reason="error", error=str(exc), rejected=True))
+                except Exception as exc:  # a failure on this request alone (add_request changes nothing first)
+                    log.exception("request %s failed on arrival in the engine core", rid)
+                    outputs.append(CoreOutput(rid, [], finish_reason="error",
+                                              error=f"the engine failed on this request: {type(exc).__name__}: "
+                                                    f"{exc}"))
             elif kind == "abort":
                 outputs += core.abort(message[1])
             elif kind == "shutdown":

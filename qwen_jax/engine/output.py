@@ -12,7 +12,7 @@ import time
 
 from qwen_jax.engine.core import CoreOutput
 from qwen_jax.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from qwen_jax.outputs import RequestOutput, TokenLogprob
+from qwen_jax.outputs import RequestFailed, RequestOutput, RequestRejected, TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 
 
@@ -34,10 +34,6 @@ class RequestState:
     first_token_time: float | None = None
 
 
-class RequestFailed(RuntimeError):
-    """The engine core could not serve one request (the others go on)."""
-
-
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -50,10 +46,9 @@ class OutputProcessor:
                                                  StopChecker(params.stop),
                                                  logprobs=[] if params.logprobs is not None else None)
 
-    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput | tuple[str, RequestFailed]],
-                                                           list[str]]:
-        """The RequestOutputs of a step's core outputs (a (request id, RequestFailed) pair for a request the core
-        failed), and the requests a stop string ended here, which the core must abort."""
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """The RequestOutputs of a step's core outputs (finish_reason "error" with its `error` for a request the
+        core refused or failed), and the requests a stop string ended here, which the core must abort."""
         results, ended = [], []
         now = time.time()
         for out in outputs:
@@ -61,8 +56,8 @@ class OutputProcessor:
             if state is None:  # ended here already (a stop string); the core's later tokens are dropped
                 continue
             if out.error is not None:
-                del self.requests[out.request_id]
-                results.append((out.request_id, RequestFailed(out.error)))
+                error = (RequestRejected if out.rejected else RequestFailed)(out.error)
+                results.append(self._output(state, "error", error=error))
                 continue
             state.num_cached_tokens = out.num_cached_tokens
             state.queue_seconds = out.queue_seconds
@@ -105,7 +100,7 @@ class OutputProcessor:
         state.text += text + state.stops.flush()
 
     def _output(self, state: RequestState, finish_reason: str | None = None,
-                stop_reason: int | str | None = None) -> RequestOutput:
+                stop_reason: int | str | None = None, error: Exception | None = None) -> RequestOutput:
         finished = finish_reason is not None
         out = RequestOutput(
             request_id=state.request_id, prompt_token_ids=state.prompt_token_ids, token_ids=list(state.token_ids),
@@ -113,7 +108,7 @@ class OutputProcessor:
             delta_text=state.text[state.sent_chars:], finished=finished, finish_reason=finish_reason,
             stop_reason=stop_reason, logprobs=state.logprobs, num_cached_tokens=state.num_cached_tokens,
             arrival_time=state.arrival_time, first_token_time=state.first_token_time,
-            finish_time=time.time() if finished else None, queue_seconds=state.queue_seconds)
+            finish_time=time.time() if finished else None, queue_seconds=state.queue_seconds, error=error)
         state.sent_tokens, state.sent_chars = len(state.token_ids), len(state.text)
         if finished:
             del self.requests[state.request_id]

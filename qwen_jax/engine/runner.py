@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.engine import step
+from qwen_jax.engine import grammar, step
 from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, cut_path
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.layers.batch import ragged
@@ -84,7 +84,8 @@ class ModelRunner:
         # XLA's compiler releases the GIL) or when a step first needs them. While buckets still compile in the
         # background a step takes the smallest compiled bucket that holds it (`ready`), never waiting for one.
         self._forwards: dict[int, jax.stages.Compiled] = {}
-        self._decoders: dict[int, jax.stages.Compiled] = {}  # several decode steps a program (decode_steps)
+        # several decode steps a program (decode_steps), each with the sampling layout it was compiled for
+        self._decoders: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
         self._ready: list[int] | None = None  # None: every bucket, compiled when first needed
@@ -139,10 +140,12 @@ class ModelRunner:
         sampling = [r.seq.params if r.samples else _GREEDY for r in rows]
         steps = rows[0].steps if rows else 1
         # the tokens a row had before this step's first: its planned samples are already counted as pending
+        constrained = [i for i, r in enumerate(rows) if r.samples and r.seq.grammar is not None]
         tensors = SamplingTensors.build_host(
             sampling, [r.seq.num_requested - r.steps if r.samples else 0 for r in rows], [r.seq.slot for r in rows],
             vocab_size=self.vocab_size, batch_size=num_requests, eos_token_ids=self.eos_token_ids,
-            step_seed=self.step_seed + 1, num_penalty_rows=self.num_slots)
+            step_seed=self.step_seed + 1, num_penalty_rows=self.num_slots, constrained_rows=constrained,
+            token_masks=self._token_masks([rows[i] for i in constrained]) if constrained else None)
         self.step_seed += steps
         sampling_buffer, sampling_layout = step.pack(tensors._asdict())
         penalties = any(p.has_penalties for p in sampling)
@@ -164,6 +167,34 @@ class ModelRunner:
         if save and self.has_snapshots:
             ops.append(("save", *self._pairs(save)))
         return ops
+
+    def _token_masks(self, rows: list[Row]) -> np.ndarray:
+        """The grammar masks of constrained sampling rows [len(rows), W]: each from its matcher, which has seen
+        every output token before this step's (the core reads a constrained request's last step back before it
+        plans the next)."""
+        masks = np.zeros((len(rows), grammar.mask_words(self.vocab_size)), np.int32)
+        for i, row in enumerate(rows):
+            if row.seq.num_pending != row.steps:
+                raise RuntimeError(f"request {row.seq.request_id}: its grammar mask needs its last token, which "
+                                   "is still on the device")
+            row.seq.grammar.fill_mask(masks, i)
+        return masks
+
+    def failing_rows(self, rows: list[Row]) -> list[tuple[Row, Exception]]:
+        """The rows whose step cannot be built even alone, each with its error (after `prepare` of them all
+        raised). Nothing is issued and no counter moves: the engine fails those requests and builds the step
+        again without them."""
+        seed, sample_rows = self.step_seed, [r.seq.sample_row for r in rows]
+        failing = []
+        for row in rows:
+            try:
+                self.prepare([row])
+            except Exception as exc:
+                failing.append((row, exc))
+            self.step_seed = seed
+        for row, sample_row in zip(rows, sample_rows, strict=True):
+            row.seq.sample_row = sample_row
+        return failing
 
     def _penalty_rows(self, seqs: list) -> tuple[np.ndarray, ...]:
         """The penalty-count rows of sequences entering the batch, from their prompt and output so far (padding
@@ -266,16 +297,17 @@ class ModelRunner:
         if not 0 < len(seqs) <= self.decode_steps_max_rows:
             return 1
         if self.mesh.devices.flat[0].platform != "cpu" and any(
-                s.params.logprobs is not None or cut_path([s.params], self.vocab_size) for s in seqs):
+                s.params.logprobs is not None or s.params.logit_bias or cut_path([s.params], self.vocab_size)
+                for s in seqs):
             return 1
         size = step.bucket_for(len(seqs), self._ready or self.token_buckets)
         return self.decode_steps if size in self._decoders or self._ready is None else 1
 
     def _decode_program(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int, steps: int):
         size = step.layout_shape(layout, "tokens")[0]
-        program = self._decoders.get(size) if (path, top, steps) == (0, 0, self.decode_steps) else None
-        if program is not None:
-            return program
+        compiled = self._decoders.get(size)
+        if compiled is not None and (sampling_layout, path, top, steps) == (compiled[0], 0, 0, self.decode_steps):
+            return compiled[1]
         return functools.partial(step.decode_steps, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
                                  mesh=self.mesh, kernels=self.kernels, steps=steps, num_top_logprobs=top, path=path)
 
@@ -284,7 +316,7 @@ class ModelRunner:
         sampling_layout = self._padding_sampling(size)[1]
         buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
         sampling = jax.ShapeDtypeStruct((sampling_layout.size,), np.int32, sharding=step.replicated(self.mesh))
-        self._decoders[size] = step.decode_steps.lower(
+        self._decoders[size] = sampling_layout, step.decode_steps.lower(
             self._abstract(self.params), self._abstract(self.cache), self._abstract(self.last_tokens), buffer,
             sampling, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh,
             kernels=self.kernels, steps=self.decode_steps, num_top_logprobs=0, path=0).compile()

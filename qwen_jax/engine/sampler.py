@@ -1,5 +1,5 @@
-"""On-device sampling: per-row penalties (from per-request token counts kept on the device), EOS bans,
-temperature, top-k, top-p, min-p, seeded draws and raw logprobs.
+"""On-device sampling: per-row grammar masks, logit biases, penalties (from per-request token counts kept on the
+device), EOS bans, temperature, top-k, top-p, min-p, seeded draws and raw logprobs.
 
 Never reads device values back to the host, never branches on a device value (a GPU conditional waits for its
 predicate on the host), and never lets one row's parameters or position change another row's draw.
@@ -22,6 +22,9 @@ from qwen_jax.sampling_params import SamplingParams
 TOP_K_FAST_MAX = 64
 
 _U32 = 0xFFFFFFFF
+# A batch without a constrained row: no mask rows (the sampler does not even trace the mask).
+_NO_MASK_ROWS = np.zeros(0, np.int32)
+_NO_MASKS = np.zeros((0, 0), np.int32)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -45,6 +48,10 @@ class SamplingTensors(NamedTuple):
     # an unseeded one (so a row draws the same numbers whether its steps run one program each or several in one)
     penalty_rows: jax.Array  # [B] i32 the row's row of the penalty counts; the counts' size (dropped) without penalties
     banned_ids: jax.Array  # [B, NB] i32 ids forced to -inf this step, padded with V; NB = 0: none in the batch
+    bias_ids: jax.Array  # [B, NL] i32 ids whose logit gets bias_values added, padded with V; NL = 0: no logit_bias
+    bias_values: jax.Array  # [B, NL] f32
+    mask_rows: jax.Array  # [B] i32 each row's row of `masks` (G: unconstrained); [0] when no row is constrained
+    masks: jax.Array  # [G, W] i32 token bitmask of the constrained rows (bit v % 32 of word v // 32: v allowed)
 
     @classmethod
     def build(cls, *args, sharding: jax.sharding.Sharding | None = None, **kwargs) -> SamplingTensors:
@@ -63,6 +70,8 @@ class SamplingTensors(NamedTuple):
         eos_token_ids: Sequence[int] = (),
         step_seed: int = 0,
         num_penalty_rows: int = 0,
+        constrained_rows: Sequence[int] = (),
+        token_masks: np.ndarray | None = None,
     ) -> SamplingTensors:
         """Host-side assembly for one step, as numpy arrays (the runner moves them to its mesh itself).
 
@@ -70,7 +79,8 @@ class SamplingTensors(NamedTuple):
         included. penalty_rows[i]: the row of the device's penalty counts (`init_penalty_rows`) that holds request
         i's token counts; used only by rows with a penalty. num_penalty_rows: the counts' rows (the drop index).
         step_seed: an engine counter that advances by one every decode step; unseeded row r draws with key
-        (step_seed, r).
+        (step_seed, r). constrained_rows: the rows under a grammar, token_masks [len(constrained_rows), W] their
+        allowed tokens (engine/grammar.py fills them).
         A seeded row draws with key (seed, num_generated), so its tokens do not depend on the rest of the batch.
         """
         n = len(params_list)
@@ -111,7 +121,22 @@ class SamplingTensors(NamedTuple):
         banned_ids = np.full((batch_size, _bucket(max(map(len, banned.values()), default=0), 4)), vocab_size, np.int32)
         for i, ids in banned.items():
             banned_ids[i, : len(ids)] = ids
-        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, rng_step, rows, banned_ids)
+        width = _bucket(max((len(p.logit_bias or ()) for p in params_list), default=0), 4)
+        bias_ids = np.full((batch_size, width), vocab_size, np.int32)
+        bias_values = np.zeros((batch_size, width), f32)
+        for i, p in enumerate(params_list):
+            if p.logit_bias:
+                bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
+                bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
+        mask_rows, masks = _NO_MASK_ROWS, _NO_MASKS
+        if constrained_rows:
+            count = len(constrained_rows)
+            masks = np.zeros((_bucket(count, 1), token_masks.shape[1]), np.int32)
+            masks[:count] = token_masks
+            mask_rows = np.full(batch_size, len(masks), np.int32)
+            mask_rows[list(constrained_rows)] = np.arange(count)
+        return cls(temperature, top_k, top_p, min_p, rep, presence, frequency, rng, rng_step, rows, banned_ids,
+                   bias_ids, bias_values, mask_rows, masks)
 
 
 def cut_path(params_list: Sequence[SamplingParams], vocab_size: int) -> int:
@@ -202,6 +227,13 @@ def _truncate(scaled: jax.Array, t: SamplingTensors, active: jax.Array, path: in
     return jnp.where(cuts[:, None] & (scaled < thr[:, None]), -jnp.inf, scaled)
 
 
+def allowed_tokens(t: SamplingTensors, vocab_size: int) -> jax.Array:
+    """[B, V] bool: the tokens each row's grammar allows next (every token for an unconstrained row)."""
+    words = t.masks.at[t.mask_rows].get(mode="fill", fill_value=-1)  # [B, W]; all bits set past the masks
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size] != 0
+
+
 def _row_key(rng: jax.Array) -> jax.Array:
     """(lo, hi, counter) -> fold_in(key(seed), counter): key data [hi, lo] is exactly what jax.random.key(seed) holds
     for a 64-bit seed (and [0, seed] for a 32-bit one), without tracing the seeding."""
@@ -214,17 +246,22 @@ def sample(logits: jax.Array, tensors: SamplingTensors, counts: jax.Array | None
            path: int) -> tuple[SampleOutput, jax.Array | None]:
     """logits [B, V] -> (SampleOutput, the penalty counts with the penalised rows' new tokens counted). `counts`:
     None when no row of the batch has a penalty; `path`: cut_path of the batch. One compilation per (B, K, path,
-    NB, penalties or not).
+    NB, NL, G, penalties or not).
 
-    Order: penalties -> bans -> (greedy rows: argmax) -> / temperature -> top-k -> top-p -> min-p -> categorical draw
-    with the row's key. Logprobs are those of the raw model distribution (log-softmax of the unmodified logits, vLLM's
-    default "raw_logprobs"), for the chosen token and for the top num_top_logprobs.
+    Order: grammar mask -> logit bias -> penalties (as vLLM) -> bans -> (greedy rows: argmax) -> / temperature ->
+    top-k -> top-p -> min-p -> categorical draw with the row's key. Logprobs are those of the raw model distribution
+    (log-softmax of the unmodified logits, vLLM's default "raw_logprobs"), for the chosen token and for the top
+    num_top_logprobs.
     """
     t = tensors
     logits = logits.astype(jnp.float32)
     b, v = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = logits
+    if t.mask_rows.shape[0]:
+        x = jnp.where(allowed_tokens(t, v), x, -jnp.inf)
+    if t.bias_ids.shape[1]:
+        x = x.at[jnp.arange(b)[:, None], t.bias_ids].add(t.bias_values, mode="drop")
     if counts is not None:
         x = apply_penalties(x, t, counts)
     if t.banned_ids.shape[1]:

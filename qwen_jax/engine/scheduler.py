@@ -73,6 +73,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.grammar = None
         self._free(seq)
 
     @property
@@ -177,14 +178,15 @@ class Scheduler:
 
     def _multi_step(self, rows: list[Row], max_steps: int) -> int:
         """How many decode steps `rows` run at once: max_steps when every row is a decoding row of a running
-        sequence with no penalties and no min_tokens left to wait for (their sampling would change from one step to
-        the next), no request waits, and every sequence has the blocks for them (allocated here); else 1. Tokens past
-        a request's end (EOS, a stop, max_tokens) are computed and dropped."""
+        sequence with no penalties, no min_tokens left to wait for and no grammar (their sampling would change from
+        one step to the next), no request waits, and every sequence has the blocks for them (allocated here); else 1.
+        Tokens past a request's end (EOS, a stop, max_tokens) are computed and dropped."""
         if self.waiting or not rows or not all(r.samples and r.num_tokens == 1 and not r.admitted for r in rows):
             return 1
         for r in rows:
             seq, params = r.seq, r.seq.params
-            if params.has_penalties or seq.num_requested < params.min_tokens:
+            # each step's penalties, bans or grammar mask depend on the tokens before it
+            if params.has_penalties or seq.num_requested < params.min_tokens or seq.grammar is not None:
                 return 1
             if self.max_model_len is not None and seq.num_computed_tokens + max_steps > self.max_model_len:
                 return 1

@@ -38,6 +38,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        self.grammar = None  # structured outputs: its RequestGrammar (engine/grammar.py), fed each token read back
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Known tokens [start, end) of prompt + output (pending ones are not known yet), without building the whole

@@ -15,6 +15,7 @@ import numpy as np
 
 from qwen_jax import SamplingParams
 from qwen_jax.engine import step as programs
+from qwen_jax.sampling_params import StructuredOutputsParams
 
 
 @dataclasses.dataclass
@@ -145,3 +146,24 @@ def test_request_ending_at_step_n_drops_the_token_step_n_plus_1_computed(engines
     assert len(trace.outs) == 2 and trace.first_tokens == full[:2]
     assert outputs[-1][0].finish_reason == "length"
     assert not engine.seqs and not engine.has_unfinished
+
+
+def test_a_step_with_a_constrained_row_is_read_back_before_the_next_is_issued(engines, kit, monkeypatch):
+    """A grammar's next mask needs the token just sampled: with a constrained request in the batch each step() reads
+    the last step back first, and every input token is then known on the host. The free batch above keeps its step
+    ahead."""
+    llm = engines("hybrid")
+    trace = Trace(llm.engine, monkeypatch)
+    params = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.engine.add_request("free", kit.prompt(9, seed=901), SamplingParams(**params))
+    llm.engine.add_request("regex", kit.prompt(13, seed=902), SamplingParams(
+        **params, structured_outputs=StructuredOutputsParams(regex="[a-z]{40}")))
+    calls, outputs = trace.run()
+
+    assert calls == [[("issue", 0)]] + [[("fetch", k - 1), ("issue", k)] for k in range(1, 6)] + [[("fetch", 5)]]
+    assert (trace.stray_reads, trace.waits) == (0, 0)
+    assert [i.known for i in trace.issued] == [{"free": n, "regex": n} for n in range(6)]
+    assert [i.from_device for i in trace.issued] == [0] * 6
+    text = llm.tokenizer.decode([t for out in outputs for o in out if o.request_id == "regex" for t in o.new_token_ids])
+    assert len(text) >= 6 and text.isalpha() and text.islower()
+    kit.assert_idle(llm)

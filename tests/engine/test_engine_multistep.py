@@ -15,10 +15,12 @@ def multistep(hybrid_dir, kit):
 
 
 def workload(kit):
-    """Greedy, seeded sampling with logprobs, EOS two tokens in, a stop token id, lengths not a multiple of STEPS."""
+    """Greedy, seeded sampling (with a logit bias; with logprobs), EOS two tokens in, a stop token id, lengths not a
+    multiple of STEPS."""
     requests = [
         (kit.prompt(7, seed=901), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)),
-        (kit.prompt(37, seed=902), SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True)),
+        (kit.prompt(37, seed=902), SamplingParams(max_tokens=9, temperature=0.8, seed=5, ignore_eos=True,
+                                                  logit_bias={40: 3.0, 41: -100})),
         (kit.prompt(30, seed=903), SamplingParams(max_tokens=11, temperature=1.0, top_k=20, seed=3, logprobs=2,
                                                   ignore_eos=True)),
         (kit.EOS_PROMPT, SamplingParams(max_tokens=12, temperature=0.0)),

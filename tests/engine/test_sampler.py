@@ -13,11 +13,13 @@ V = 64  # most tests share (B=64, V=64, K=0) so they share one compilation
 B = 64
 
 
-def build(params, vocab=V, batch=B, num_generated=None, eos=(), step_seed=0):
-    """Tensors for `params` (row i's penalty counts in row i of `counts_for`'s array)."""
+def build(params, vocab=V, batch=B, num_generated=None, eos=(), step_seed=0, **masks):
+    """Tensors for `params` (row i's penalty counts in row i of `counts_for`'s array); `masks`: constrained_rows and
+    token_masks."""
     n = len(params)
     return SamplingTensors.build(params, num_generated or [0] * n, list(range(n)), vocab_size=vocab,
-                                 batch_size=batch, eos_token_ids=eos, step_seed=step_seed, num_penalty_rows=batch)
+                                 batch_size=batch, eos_token_ids=eos, step_seed=step_seed, num_penalty_rows=batch,
+                                 **masks)
 
 
 def counts_for(histories, vocab=V, batch=B):
@@ -258,3 +260,47 @@ def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
     assert tokens[1] == 60  # min_tokens reached
     assert tokens[2] == 60  # ignore_eos: EOS is not a stop, only the stop id is banned
     assert tokens[3] not in eos
+
+
+def test_logit_bias_of_100_forces_a_token_and_of_minus_100_bans_one():
+    row, perm, _ = crafted_logits(seed=9)
+    least, best = int(perm[-1]), int(perm[0])
+    assert set(draw_many(row, SP(logit_bias={least: 100})).tolist()) == {least}
+    assert best not in set(draw_many(row, SP(logit_bias={best: -100})).tolist())
+    params = [SP(temperature=0, logit_bias={best: -100.0}), SP(temperature=0), SP(temperature=0, logit_bias={7: 0.5})]
+    tokens = sample(pad_rows([row] * 3), build(params), num_top_logprobs=0).tokens[:3].tolist()
+    assert tokens == [int(perm[1]), best, best]  # greedy rows see the bias too; a small one changes nothing here
+
+
+def test_logit_bias_adds_to_the_logits_of_its_row_only_and_logprobs_stay_raw():
+    row = np.zeros(V, np.float32)
+    row[[4, 5]] = [1.0, 2.0]
+    params = [SP(temperature=0, logit_bias={4: 1.5, 9: -3.0}), SP(temperature=0), SP(temperature=0, logit_bias={9: 3})]
+    out = sample(pad_rows([row] * 3), build(params), num_top_logprobs=2)
+    assert out.tokens[:3].tolist() == [4, 5, 9]  # 1 + 1.5 > 2; 0 + 3 > 2
+    assert out.top_ids[0].tolist() == [5, 4]  # the raw distribution
+
+
+def bitmask(allowed_sets, vocab=V):
+    """xgrammar's layout: bit v % 32 of int32 word v // 32 is set when token v is allowed."""
+    masks = np.zeros((len(allowed_sets), -(-vocab // 32)), np.uint32)
+    for row, allowed in enumerate(allowed_sets):
+        for v in allowed:
+            masks[row, v // 32] |= np.uint32(1 << (v % 32))
+    return masks.view(np.int32)
+
+
+def test_grammar_masks_restrict_only_their_rows_to_the_allowed_tokens():
+    row, perm, _ = crafted_logits(seed=10)
+    # the second: the least likely token; the third: two tokens on the sign bit of their words
+    allowed = [{int(perm[2]), int(perm[3]), int(perm[5])}, {int(perm[-1])}, {31, 63}]
+    params = [SP(seed=1), SP(temperature=0), SP(seed=1), SP(temperature=0), SP(temperature=0)]
+    t = build(params, constrained_rows=[0, 3, 4], token_masks=bitmask(allowed))
+    draws = [sample(pad_rows([row] * 5), t._replace(rng=t.rng.at[:, 2].set(s)), num_top_logprobs=0).tokens[:5]
+             for s in range(64)]
+    draws = np.asarray(draws)
+    assert set(draws[:, 0].tolist()) == allowed[0]  # every allowed token comes up in 64 draws at these odds
+    assert set(draws[:, 3].tolist()) == allowed[1]
+    assert set(draws[:, 4].tolist()) == {31 if row[31] > row[63] else 63}
+    free = sample(pad_rows([row] * 5), build(params), num_top_logprobs=0).tokens[:5].tolist()
+    assert draws[0, 1:3].tolist() == free[1:3]  # unconstrained rows draw as without any mask

@@ -1,0 +1,147 @@
+"""Tool calling over real HTTP with the `openai` client, on a tiny random model that has Qwen3.5's tokenizer and chat
+template: the tools and the tool history reach the template, a forced call (a named function, or "required") comes
+back as message.tool_calls with finish_reason "tool_calls", streamed as tool-call deltas, and a round trip feeds its
+result back; tool_choice "none" keeps the tools out of the prompt.
+
+The model's weights are random: the grammar engine forces the call's shape and its argument values' types.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+from server_harness import START_TIMEOUT_S, ServerThread, free_port, http_json
+
+from qwen_jax.default_model import TEXT_CONFIG
+
+SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "../shared/data/qwen3_5_tokenizer"
+VOCAB = 248320  # Qwen3.5's embedding rows
+ENGINE_ARGS = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=512, load_format="dummy",
+                   dtype="float32", seed=0)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city over the next days.",
+    "parameters": {"type": "object", "required": ["city", "days"], "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                          "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen_model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen3.5-MoE config (random weights at load) beside Qwen3.5's own tokenizer and chat template."""
+    directory = tmp_path_factory.mktemp("qwen3_5_tools")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja"):
+        shutil.copy(SHARED_TOKENIZER / name, directory / name)
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": dict(TEXT_CONFIG, vocab_size=VOCAB, eos_token_id=248044), "tie_word_embeddings": False}))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [248046, 248044]}))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def tools_server(qwen_model_dir, compilation_cache_dir):
+    from qwen_jax.llm import AsyncLLM
+    from server.app import ServerConfig, create_app
+
+    engine = AsyncLLM.from_engine_args(qwen_model_dir, **ENGINE_ARGS)
+    app = create_app(engine, ServerConfig(served_model_name="tools", max_num_seqs=4))
+    srv = ServerThread(app, "127.0.0.1", free_port())
+    srv.start(START_TIMEOUT_S)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tools_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tools_server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def rendered(tools_server, qwen_model_dir):
+    """The prompt text a chat request body renders on the server (its /tokenize ids, decoded here)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_model_dir)
+
+    def render(body: dict) -> str:
+        status, _, reply = http_json("POST", tools_server.url + "/tokenize", body)
+        assert status == 200, reply
+        return tokenizer.decode(reply["tokens"])
+
+    return render
+
+
+def assert_weather_call(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "Tokyo", "Lima") and 1 <= arguments["days"] <= 7
+    assert isinstance(arguments["days"], int)
+    return arguments
+
+
+def test_named_tool_choice_round_trip(client, tools_server, rendered):
+    first = client.chat.completions.create(
+        model="tools", messages=ASK, tools=[WEATHER, CLOCK], max_tokens=150, temperature=1.0, seed=1,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert len(choice.message.tool_calls) == 1
+    arguments = assert_weather_call(choice.message.tool_calls[0])
+
+    call = choice.message.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."}]
+    prompt = rendered({"messages": history, "tools": [WEATHER, CLOCK]})
+    assert f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{arguments['city']}\n</parameter>" in prompt
+    assert "<tool_response>\nSunny, 21 C.\n</tool_response>" in prompt
+    assert '"name": "get_time"' in prompt  # the tools are in the system turn
+
+    second = client.chat.completions.create(model="tools", messages=history, tools=[WEATHER, CLOCK], max_tokens=5,
+                                            temperature=0.0, tool_choice="none", extra_body={"ignore_eos": True})
+    assert second.choices[0].finish_reason == "length" and second.choices[0].message.tool_calls is None
+    _, _, no_tools = http_json("POST", tools_server.url + "/tokenize", {"messages": history})
+    assert second.usage.prompt_tokens == len(no_tools["tokens"])  # "none": the tools are not rendered
+
+
+def test_required_tool_choice_streams_tool_call_deltas(client):
+    kwargs = dict(model="tools", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=150,
+                  temperature=1.0, seed=4, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [call for d in deltas for call in d.tool_calls or []]
+    assert [c.index for c in streamed] == [0]
+    assert streamed[0].function.name == "get_weather" and streamed[0].id.startswith("call_")
+    assert json.loads(streamed[0].function.arguments) == assert_weather_call(whole.choices[0].message.tool_calls[0])
+    assert not "".join(d.content or "" for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert whole.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_leaves_the_tools_out_and_auto_puts_them_in(rendered):
+    plain = rendered({"messages": ASK})
+    assert rendered({"messages": ASK, "tools": [WEATHER], "tool_choice": "none"}) == plain
+    with_tools = rendered({"messages": ASK, "tools": [WEATHER]})
+    assert "# Tools" in with_tools and '"name": "get_weather"' in with_tools and "# Tools" not in plain
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{not json"}}]}, {"role": "user", "content": "?"}]},
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_tool_requests_that_cannot_be_served_are_400(tools_server, body, param):
+    status, _, reply = http_json("POST", tools_server.url + "/v1/chat/completions",
+                                 {"messages": ASK, "max_tokens": 4, **body})
+    assert status == 400 and reply["error"]["param"] == param, reply
