@@ -9,7 +9,7 @@ OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
 export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0 QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=400
 ARGS=(--model "$MODEL" --load-format dummy --max-model-len "${MAX_MODEL_LEN:-4096}" --max-num-seqs
-      "${MAX_NUM_SEQS:-256}" --kernels "${KERNELS:-gpu}" --port 8000 --compilation-cache-dir /tmp/qwen_jax_cc)
+      "${MAX_NUM_SEQS:-256}" --kernels "${KERNELS:-auto}" --port 8000 --compilation-cache-dir /tmp/qwen_jax_cc)
 URL=http://127.0.0.1:8000
 now() { date +%s.%N; }
 since() { python3 -c "import sys; print(round($(now) - float(sys.argv[1]), 1))" "$1"; }
@@ -36,11 +36,19 @@ for c in ${LEVELS:-1 64 256}; do
   timeout 400 python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" --concurrency "$c" \
     --waves 1 --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
     --device-count 1 --layout TP=1 --weights random --model-config "$MODEL/config.json" --no-progress \
-    --label "kernels=${KERNELS:-gpu} max_num_seqs=${MAX_NUM_SEQS:-256}" > "$OUT/serve_c$c.txt" 2>&1
+    --label "kernels=${KERNELS:-auto} max_num_seqs=${MAX_NUM_SEQS:-256}" > "$OUT/serve_c$c.txt" 2>&1
   grep -A3 "^ conc" "$OUT/serve_c$c.txt" | head -3
   curl -s "$URL/metrics" > "$OUT/metrics_after_c$c.txt"
   step_costs "$OUT/metrics_before_c$c.txt" "$OUT/metrics_after_c$c.txt"
 done
+# One constrained request on the device: a json_schema reply that must parse and match the schema.
+curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' -d '{"model": "m", "max_tokens": 64,
+  "messages": [{"role": "user", "content": "Give a number."}], "response_format": {"type": "json_schema",
+  "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+  "required": ["n"], "additionalProperties": false}}}}' > "$OUT/structured.json"
+python3 -c "import json, sys; r = json.load(open(sys.argv[1])); c = r['choices'][0]; v = json.loads(c['message']['content']);
+assert set(v) == {'n'} and isinstance(v['n'], int), v; print('structured output:', c['message']['content'], c['finish_reason'])" \
+  "$OUT/structured.json" || { echo "structured output failed:"; head -c 600 "$OUT/structured.json"; echo; }
 curl -s "$URL/metrics" > "$OUT/metrics.txt"
 grep "^qwen_jax_engine_step\|^qwen_jax_generation_tokens_total" "$OUT/metrics.txt"
 grep "compiled\|loaded" "$OUT/server.log" | cut -c1-170
