@@ -14,12 +14,24 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # fewer than 256 sequences of 2k tokens need; the engine's own budget (gpu_memory_utilization) is the real limit.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-_PUBLIC = {"LLM": "qwen_jax.llm", "AsyncLLM": "qwen_jax.llm", "SamplingParams": "qwen_jax.sampling_params",
-           "create_engine": "qwen_jax.engine.skeleton"}
+# The public API, by name -> the module that defines it. The server (and any other user) imports these only.
+_PUBLIC = {
+    "LLM": "qwen_jax.llm", "AsyncLLM": "qwen_jax.llm", "EngineDead": "qwen_jax.llm",
+    "SamplingParams": "qwen_jax.sampling_params", "StructuredOutputsParams": "qwen_jax.sampling_params",
+    "RequestOutput": "qwen_jax.outputs", "RequestFailed": "qwen_jax.outputs", "TokenLogprob": "qwen_jax.outputs",
+    "create_engine": "qwen_jax.engine.skeleton",
+    "ENGINE_ARGS": "qwen_jax.engine.core", "EngineCore": "qwen_jax.engine.core",
+    "ModelNotFound": "qwen_jax.engine.model_files", "resolve_path": "qwen_jax.engine.model_files",
+    "check_structured_outputs": "qwen_jax.engine.grammar",
+    "default_cache_dir": "qwen_jax.default_model", "ensure_default_model": "qwen_jax.default_model",
+    "host_settings": "sharding.distributed",
+}
+# Public names that differ from the name in their module.
+_ALIASES = {"check_structured_outputs": "check", "host_settings": "settings"}
 __all__ = list(_PUBLIC)
 
 
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'qwen_jax' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
+    return getattr(importlib.import_module(_PUBLIC[name]), _ALIASES.get(name, name))

@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 
-from qwen_jax.sampling_params import SamplingParams
+from qwen_jax import SamplingParams
 from server.version import version
 
 log = logging.getLogger("qwen_jax.server")
@@ -23,7 +23,7 @@ log = logging.getLogger("qwen_jax.server")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: vllm-serve's flag names; every flag's help ends with its default."""
-    from qwen_jax.engine.core import ENGINE_ARGS
+    from qwen_jax import ENGINE_ARGS
 
     def engine(name: str, text: str) -> str:
         """Help for an engine flag, whose default is the engine's (ENGINE_ARGS) and is shown as such."""
@@ -135,7 +135,7 @@ class UsageError(Exception):
 def check_args(args: argparse.Namespace) -> None:
     """Resolve the model, tokenizer and chat template and check the flags, before anything loads; a problem is a
     UsageError."""
-    from qwen_jax.engine.model_files import ModelNotFound, resolve_path
+    from qwen_jax import ModelNotFound, resolve_path
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -183,7 +183,7 @@ def enable_compilation_cache(path: str | None) -> str | None:
     """Persist compiled XLA executables so a restart skips compilation (thresholds lowered to cache everything)."""
     if path is not None and path.lower() == "none":
         return None
-    from qwen_jax.default_model import default_cache_dir
+    from qwen_jax import default_cache_dir
 
     path = path or os.path.join(default_cache_dir(), "jax_compilation_cache")
     os.makedirs(path, exist_ok=True)
@@ -264,7 +264,7 @@ async def serve(app, sock: socket.socket, graceful_timeout: float) -> int:
 def follow(model: str, args: dict) -> int:
     """Host > 0 of several: no HTTP server. Builds the same engine as host 0 (joining it through jax.distributed)
     and runs host 0's steps, its warm-up included, until host 0's engine shuts down."""
-    from qwen_jax.engine.core import EngineCore
+    from qwen_jax import EngineCore
 
     engine = EngineCore(model, **args)
     log.info("host %d: following host 0 (no HTTP server here)", args["host_index"])
@@ -274,10 +274,10 @@ def follow(model: str, args: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sharding import distributed
+    from qwen_jax import host_settings
 
     args = build_parser().parse_args(argv)
-    args.num_hosts, args.host_index, args.coordinator_address = distributed.settings(
+    args.num_hosts, args.host_index, args.coordinator_address = host_settings(
         args.num_hosts, args.host_index, args.coordinator_address)
     following = args.num_hosts > 1 and args.host_index > 0  # a host that runs host 0's steps and serves no HTTP
     try:
@@ -294,13 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     log.info("JAX compilation cache: %s", cache or "off")
     model = args.model
     if model is None:
-        from qwen_jax.default_model import ensure_default_model
+        from qwen_jax import ensure_default_model
 
         model = ensure_default_model()
         log.info("no --model given: serving the built-in default model at %s", model)
     if following:
         return follow(model, engine_args(args))
-    from qwen_jax.llm import AsyncLLM
+    from qwen_jax import AsyncLLM
     from server.app import ServerConfig, create_app
 
     engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, **engine_args(args))

@@ -17,7 +17,7 @@ from typing import Any
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from qwen_jax.llm import EngineDead
+from qwen_jax import EngineDead
 from server.access_log import AccessLog
 from server.body_limit import BodyLimit
 from server.metrics import CONTENT_TYPE

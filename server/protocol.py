@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from qwen_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from qwen_jax import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16  # choices (n, best_of) per prompt
 MAX_STOP = 16

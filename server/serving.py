@@ -16,10 +16,15 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from qwen_jax.engine import grammar
-from qwen_jax.llm import EngineDead
-from qwen_jax.outputs import RequestFailed, RequestOutput, TokenLogprob
-from qwen_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from qwen_jax import (
+    EngineDead,
+    RequestFailed,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+    TokenLogprob,
+    check_structured_outputs,
+)
 from server.metrics import ServerMetrics
 from server.protocol import APIError, GenerationRequest, error_body
 
@@ -327,7 +332,7 @@ class Serving:
             return None
         spec, param = found
         try:
-            grammar.check(spec)
+            check_structured_outputs(spec)
         except ValueError as exc:
             raise APIError(str(exc), param=param) from None
         return spec

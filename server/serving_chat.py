@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from qwen_jax.outputs import RequestOutput, TokenLogprob
-from qwen_jax.sampling_params import StructuredOutputsParams
+from qwen_jax import RequestOutput, StructuredOutputsParams, TokenLogprob
 from server.protocol import APIError, ChatCompletionRequest, _ChatPrompt
 from server.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
 from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts

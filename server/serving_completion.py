@@ -6,7 +6,7 @@ Builds prompts and choice fields only; the engine requests and the stream are se
 
 from __future__ import annotations
 
-from qwen_jax.outputs import RequestOutput, TokenLogprob
+from qwen_jax import RequestOutput, TokenLogprob
 from server.protocol import CompletionRequest
 from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts
 
