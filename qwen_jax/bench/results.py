@@ -34,6 +34,20 @@ def git_commit(repo: str = REPO_ROOT) -> str | None:
     return commit + ("+dirty" if dirty else "")
 
 
+def portable_command(argv: Sequence[str]) -> list[str]:
+    """argv without this machine's paths: an absolute path (alone or after `--flag=`) inside the repository becomes
+    relative to it, any other becomes its file name, so an entry reads the same wherever it ran."""
+
+    def portable(arg: str) -> str:
+        flag, eq, value = arg.rpartition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+        if not os.path.isabs(value):
+            return arg
+        inside = os.path.commonpath([REPO_ROOT, os.path.abspath(value)]) == REPO_ROOT
+        return flag + eq + (os.path.relpath(value, REPO_ROOT) if inside else os.path.basename(value))
+
+    return [portable(arg) for arg in argv]
+
+
 def make_entry(benchmark: str, *, device: str | None, device_count: int | None, layout: str | None,
                model: str | None, weights: str | None, config: str | None, levels: Any = None,
                score: float | None = None, roofline: Any = None, argv: Sequence[str] | None = None,
@@ -44,7 +58,8 @@ def make_entry(benchmark: str, *, device: str | None, device_count: int | None, 
         "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": git_commit(),
-        "command": shlex.join(list(argv) if argv is not None else [os.path.basename(sys.executable), *sys.argv]),
+        "command": shlex.join(portable_command(argv if argv is not None else
+                                               [os.path.basename(sys.executable), *sys.argv])),
         "device": device,
         "device_count": device_count,
         "layout": layout,
@@ -60,7 +75,12 @@ def make_entry(benchmark: str, *, device: str | None, device_count: int | None, 
 
 def append_result(entry: dict, path: str = DEFAULT_RESULTS) -> None:
     """Append `entry` to the JSON list at `path` (created when missing); written to a temporary file first so
-    an interrupted run never leaves a truncated file."""
+    an interrupted run never leaves a truncated file. The repository's RESULTS.json takes clean entries only: an
+    entry of no commit or of a tree with uncommitted changes is refused there (a ValueError) and may go elsewhere."""
+    commit = entry.get("commit")
+    if os.path.abspath(path) == DEFAULT_RESULTS and (not commit or commit.endswith("+dirty")):
+        raise ValueError(f"not appending to {path}: the run's commit is {commit!r}; commit first (or set "
+                         f"QWEN_JAX_COMMIT to the commit a copied tree was made from), or pass another results path")
     runs: list = []
     if os.path.exists(path):
         with open(path) as f:
