@@ -15,12 +15,14 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import MAX_MODEL_LEN, MAX_NUM_SEQS, START_TIMEOUT_S, free_port, http_json, server_command, wait_for
+from server_harness import MAX_NUM_SEQS, START_TIMEOUT_S, free_port, http_json, server_command, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-GRACE_S = 10
-# Hundreds of decode steps: still running at the graceful timeout on any CPU.
-LONG = {"max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0}
+GRACE_S = 5
+# This test's sequences may be this long: thousands of decode steps, still running at the graceful timeout on a fast
+# idle CPU (where the harness's 512 tokens take less), while SHORT's dozen steps end within it on a loaded one.
+LONG_MODEL_LEN = 4096
+LONG = {"max_tokens": LONG_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0}
 # A few steps: done well within it.
 SHORT = {"max_tokens": 6, "ignore_eos": True}
 
@@ -59,7 +61,8 @@ def test_sigterm_refuses_queued_requests_and_finishes_or_ends_running_ones_clean
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(server_command(port, default_model_dir, compilation_cache_dir,
-                                                 "--graceful-timeout", str(GRACE_S)),
+                                                 "--graceful-timeout", str(GRACE_S),
+                                                 "--max-model-len", str(LONG_MODEL_LEN)),
                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     answers: dict[str, tuple] = {}
     threads: list[threading.Thread] = []
