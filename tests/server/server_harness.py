@@ -154,3 +154,16 @@ def wait_for(condition, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+def wait_until_healthy(server, url: str, log_path) -> None:
+    """Wait for a `python -m server` subprocess to answer /health 200; its log is the error if it exits first."""
+
+    def healthy() -> bool:
+        assert server.poll() is None, log_path.read_text()
+        try:
+            return http_json("GET", url + "/health", timeout=5)[0] == 200
+        except OSError:
+            return False
+
+    wait_for(healthy, START_TIMEOUT_S, "the server to start")

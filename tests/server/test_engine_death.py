@@ -27,6 +27,7 @@ from server_harness import (
     server_command,
     stream_events,
     wait_for,
+    wait_until_healthy,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,14 +132,7 @@ def test_server_process_exits_non_zero_when_its_engine_core_is_killed(tmp_path, 
             server_command(port, default_model_dir, compilation_cache_dir, "--graceful-timeout",
                            str(2 * DEATH_TIMEOUT_S)), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        def healthy() -> bool:
-            assert server.poll() is None, log_path.read_text()
-            try:
-                return http_json("GET", f"http://127.0.0.1:{port}/health", timeout=5)[0] == 200
-            except OSError:
-                return False
-
-        wait_for(healthy, START_TIMEOUT_S, "the server to start")
+        wait_until_healthy(server, f"http://127.0.0.1:{port}", log_path)
         events: list[str] = []
         first = threading.Event()
         streamer = threading.Thread(target=stream_events, args=(

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from server_harness import START_TIMEOUT_S, free_port, http_json, server_command, wait_for
+from server_harness import free_port, http_json, server_command, wait_for, wait_until_healthy
 
 from server.__main__ import build_parser
 from server.version import version
@@ -98,14 +98,7 @@ def test_a_server_from_a_cached_hub_id_honours_its_flags(tmp_path, hub_cache, co
         server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                   env={**os.environ, "HF_HOME": str(hub_cache)})
     try:
-        def healthy() -> bool:
-            assert server.poll() is None, log_path.read_text()
-            try:
-                return http_json("GET", url + "/health", timeout=5)[0] == 200
-            except OSError:
-                return False
-
-        wait_for(healthy, START_TIMEOUT_S, "the server to start")
+        wait_until_healthy(server, url, log_path)
         status, _, body = http_json("POST", url + "/tokenize", {"messages": USER,
                                                                 "chat_template_kwargs": {"greeting": "Hello"}})
         assert status == 200

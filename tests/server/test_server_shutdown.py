@@ -15,7 +15,14 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import MAX_NUM_SEQS, START_TIMEOUT_S, free_port, http_json, server_command, wait_for
+from server_harness import (
+    MAX_NUM_SEQS,
+    free_port,
+    http_json,
+    server_command,
+    wait_for,
+    wait_until_healthy,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 GRACE_S = 5
@@ -73,14 +80,7 @@ def test_sigterm_refuses_queued_requests_and_finishes_or_ends_running_ones_clean
         threads.append(thread)
 
     try:
-        def healthy() -> bool:
-            assert server.poll() is None, log_path.read_text()
-            try:
-                return http_json("GET", url + "/health", timeout=5)[0] == 200
-            except OSError:
-                return False
-
-        wait_for(healthy, START_TIMEOUT_S, "the server to start")
+        wait_until_healthy(server, url, log_path)
         comp, chat = "/v1/completions", "/v1/chat/completions"
         send("long stream", comp, {"prompt": "a", "stream": True, **LONG})
         send("long", comp, {"prompt": "b", **LONG})
