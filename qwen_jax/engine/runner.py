@@ -87,6 +87,7 @@ class ModelRunner:
         # several decode steps a program (decode_steps), each with the sampling layout it was compiled for
         self._decoders: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
+        self._stagers: dict[int, jax.stages.Compiled] = {}  # packed-input size -> its stage_inputs program
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
         self._ready: list[int] | None = None  # None: every bucket, compiled when first needed
         self._compiling: threading.Thread | None = None
@@ -262,14 +263,28 @@ class ModelRunner:
         """A step's packed inputs on the devices: the forward's copied into its bucket's input buffer (in place),
         the sampler's as they come."""
         buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
-        self._inputs[layout.size] = step.stage_inputs(self._input_buffer(layout.size), buffer)
+        self._inputs[layout.size] = self._stager(layout.size)(self._input_buffer(layout.size), buffer)
         return self._inputs[layout.size], sampling
+
+    def _stager(self, size: int) -> jax.stages.Compiled:
+        """The program that copies packed inputs of `size` into their input buffer; compiled with its bucket (a
+        first jit of it while serving made every running request wait ~0.2-0.5 s for each new bucket)."""
+        program = self._stagers.get(size)
+        if program is None:
+            buffer = jax.ShapeDtypeStruct((size,), np.int32, sharding=step.replicated(self.mesh))
+            program = self._stagers[size] = step.stage_inputs.lower(buffer, buffer).compile()
+        return program
 
     # ---- compiled programs -----------------------------------------------------------------------------------
     @property
     def num_forwards(self) -> int:
         """Forwards compiled so far (one per token bucket)."""
         return len(self._forwards)
+
+    @property
+    def num_stagers(self) -> int:
+        """Input-staging programs compiled so far (one per token bucket)."""
+        return len(self._stagers)
 
     def _abstract(self, tree):
         """Shapes, dtypes and shardings of device arrays: what lowering needs, safe to read from another thread
@@ -361,6 +376,7 @@ class ModelRunner:
         def compile_one(size: int) -> None:
             began = time.perf_counter()
             self._forwards[size] = self._compile_forward(self.step_inputs_for(size)[1])
+            self._stager(self.step_inputs_for(size)[1].size)
             layout = self._padding_sampling(size)[1]
             for path in (0, 1):
                 if (layout, path, 0, False) not in self._samplers:

@@ -148,6 +148,7 @@ def assert_idle(llm: LLM) -> None:
 def compile_counts(llm: LLM) -> dict[str, int]:
     """Programs compiled so far: `llm`'s forwards, and the entries in the compile caches of the other programs."""
     return {"forward": sum(r.runner.num_forwards for r in llm.engine.replicas),
+            "stage": sum(r.runner.num_stagers for r in llm.engine.replicas),
             "sample": step.sample_step._cache_size(),
             "restore": step.restore_snapshots._cache_size(), "save": step.save_snapshots._cache_size(),
             "penalties": step.init_penalties._cache_size()}
