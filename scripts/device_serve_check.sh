@@ -20,7 +20,8 @@ step_costs() {  # per-step host costs over one level, from two /metrics scrapes
   python3 - "$1" "$2" <<'PY'
 import re, sys
 def read(path):
-    return {m[1]: float(m[2]) for m in re.finditer(r"^qwen_jax_(engine_step\w*|generation_tokens)_total (\S+)", open(path).read(), re.M)}
+    return {m[1]: float(m[2]) for m in re.finditer(r"^qwen_jax_(engine_step\w*|generation_tokens)_total(?:\{[^}]*\})? (\S+)",
+                                                   open(path).read(), re.M)}
 a, b = read(sys.argv[1]), read(sys.argv[2])
 d = {k: b[k] - a.get(k, 0.0) for k in b}
 n = max(d.get("engine_steps", 0), 1)
