@@ -415,15 +415,11 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     grammar is checked where it is compiled, EngineCore.add_request.)"""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty")
-    bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    bad = [t for t in params.stop_token_ids if not 0 <= int(t) < vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    bad = [t for t in params.logit_bias or () if not 0 <= int(t) < vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    for field, ids in (("prompt token id", prompt_token_ids), ("stop_token_ids:", params.stop_token_ids),
+                       ("logit_bias: token id", params.logit_bias or ())):
+        bad = next((t for t in ids if not 0 <= int(t) < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field} {bad} is outside the vocabulary [0, {vocab_size})")
     if len(prompt_token_ids) + params.max_tokens > max_model_len:
         raise ValueError(f"this model's maximum context length is {max_model_len} tokens; the request has "
                          f"{len(prompt_token_ids)} prompt tokens and asks for {params.max_tokens} more")

@@ -267,11 +267,11 @@ class ModelRunner:
         return self._inputs[layout.size], sampling
 
     def _stager(self, size: int) -> jax.stages.Compiled:
-        """The program that copies packed inputs of `size` into their input buffer; compiled with its bucket (a
-        first jit of it while serving made every running request wait ~0.2-0.5 s for each new bucket)."""
+        """The program that copies packed inputs of `size` into their input buffer; compiled with its bucket, so a
+        bucket's first step while serving compiles nothing."""
         program = self._stagers.get(size)
         if program is None:
-            buffer = jax.ShapeDtypeStruct((size,), np.int32, sharding=step.replicated(self.mesh))
+            buffer = self._packed(size)
             program = self._stagers[size] = step.stage_inputs.lower(buffer, buffer).compile()
         return program
 
@@ -286,6 +286,10 @@ class ModelRunner:
         """Input-staging programs compiled so far (one per token bucket)."""
         return len(self._stagers)
 
+    def _packed(self, size: int) -> jax.ShapeDtypeStruct:
+        """A packed int32 buffer of `size` as the step programs take it (replicated), for lowering them."""
+        return jax.ShapeDtypeStruct((size,), np.int32, sharding=step.replicated(self.mesh))
+
     def _abstract(self, tree):
         """Shapes, dtypes and shardings of device arrays: what lowering needs, safe to read from another thread
         while the arrays themselves are donated and replaced by steps."""
@@ -299,7 +303,7 @@ class ModelRunner:
         return program
 
     def _compile_forward(self, layout: step.Layout) -> jax.stages.Compiled:
-        buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
+        buffer = self._packed(layout.size)
         return step.forward.lower(self._abstract(self.params), self._abstract(self.cache),
                                   self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
                                   mesh=self.mesh, kernels=self.kernels).compile()
@@ -329,8 +333,8 @@ class ModelRunner:
     def _compile_decoder(self, size: int) -> None:
         layout = self.step_inputs_for(size)[1]
         sampling_layout = self._padding_sampling(size)[1]
-        buffer = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
-        sampling = jax.ShapeDtypeStruct((sampling_layout.size,), np.int32, sharding=step.replicated(self.mesh))
+        buffer = self._packed(layout.size)
+        sampling = self._packed(sampling_layout.size)
         self._decoders[size] = sampling_layout, step.decode_steps.lower(
             self._abstract(self.params), self._abstract(self.cache), self._abstract(self.last_tokens), buffer,
             sampling, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh,
@@ -354,7 +358,7 @@ class ModelRunner:
     def _compile_sampler(self, layout: step.Layout, path: int) -> None:
         requests = step.layout_shape(layout, "temperature")[0]
         logits = jax.ShapeDtypeStruct((requests, self.vocab_size), np.float32, sharding=step.replicated(self.mesh))
-        sampling = jax.ShapeDtypeStruct((layout.size,), np.int32, sharding=step.replicated(self.mesh))
+        sampling = self._packed(layout.size)
         self._samplers[layout, path, 0, False] = step.sample_step.lower(
             logits, sampling, self._abstract(self.last_tokens), None, layout=layout, num_top_logprobs=0,
             path=path).compile()
@@ -375,8 +379,9 @@ class ModelRunner:
 
         def compile_one(size: int) -> None:
             began = time.perf_counter()
-            self._forwards[size] = self._compile_forward(self.step_inputs_for(size)[1])
-            self._stager(self.step_inputs_for(size)[1].size)
+            inputs_layout = self.step_inputs_for(size)[1]
+            self._forwards[size] = self._compile_forward(inputs_layout)
+            self._stager(inputs_layout.size)
             layout = self._padding_sampling(size)[1]
             for path in (0, 1):
                 if (layout, path, 0, False) not in self._samplers:
