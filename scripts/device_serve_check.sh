@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 MODEL="${MODEL:-.devdata/Qwen3.5-35B-A3B}"
 export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0 QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=400
+# STEP_TRACE=1: the engine core writes one JSON line per step to $OUT/steps.jsonl (engine/core.py)
+[[ "${STEP_TRACE:-0}" == 1 ]] && export QWEN_JAX_STEP_TRACE="$OUT/steps.jsonl"
+# LOG_COMPILES=1: JAX logs every compile; those after the warm-up are printed at the end
+[[ "${LOG_COMPILES:-0}" == 1 ]] && export JAX_LOG_COMPILES=1
 ARGS=(--model "$MODEL" --load-format dummy --max-model-len "${MAX_MODEL_LEN:-4096}" --max-num-seqs
       "${MAX_NUM_SEQS:-256}" --kernels "${KERNELS:-auto}" --port 8000 --compilation-cache-dir /tmp/qwen_jax_cc)
 URL=http://127.0.0.1:8000
@@ -34,11 +38,17 @@ until grep -q "every step bucket is compiled" "$OUT/server.log"; do sleep 2; don
 echo "all_buckets_compiled_s $(since "$t0")"
 for c in ${LEVELS:-1 64 256}; do
   curl -s "$URL/metrics" > "$OUT/metrics_before_c$c.txt"
+  # GPU busy: the share of each 100 ms in which a kernel ran, sampled by the driver over the level
+  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_busy_c$c.txt" &
+  smi=$!
   timeout 400 python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" --concurrency "$c" \
     --waves 1 --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
     --device-count 1 --layout TP=1 --weights random --model-config "$MODEL/config.json" --no-progress \
     --label "kernels=${KERNELS:-auto} max_num_seqs=${MAX_NUM_SEQS:-256}" > "$OUT/serve_c$c.txt" 2>&1
+  kill $smi
   grep -A3 "^ conc" "$OUT/serve_c$c.txt" | head -3
+  python3 -c "import sys; v = [float(x) for x in open(sys.argv[1]) if x.strip()]; b = v[2:-2] or v;
+print(f'GPU busy (nvidia-smi, {len(b)} samples of 100 ms): mean {sum(b) / max(len(b), 1):.1f}%')" "$OUT/gpu_busy_c$c.txt"
   curl -s "$URL/metrics" > "$OUT/metrics_after_c$c.txt"
   step_costs "$OUT/metrics_before_c$c.txt" "$OUT/metrics_after_c$c.txt"
 done
@@ -53,6 +63,10 @@ assert set(v) == {'n'} and isinstance(v['n'], int), v; print('structured output:
 curl -s "$URL/metrics" > "$OUT/metrics.txt"
 grep "^qwen_jax_engine_step\|^qwen_jax_generation_tokens_total" "$OUT/metrics.txt"
 grep "compiled\|loaded" "$OUT/server.log" | cut -c1-170
+if [[ "${LOG_COMPILES:-0}" == 1 ]]; then
+  echo "compiles after the warm-up:"
+  sed -n '/every step bucket is compiled/,$p' "$OUT/server.log" | grep -i "compiling\|compilation" | cut -c1-300 | head -40
+fi
 ./start.sh --stop > /dev/null
 cp "$OUT/server.log" "$OUT/server_cold.log"
 if [[ "${RESTART:-1}" == 1 ]]; then

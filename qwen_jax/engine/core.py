@@ -10,6 +10,7 @@ process for the offline LLM.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -158,6 +159,10 @@ class EngineCore:
         self.step_seconds = 0.0  # wall time of step(): planning, issuing, waiting, applying tokens
         self.plan_seconds = 0.0  # of which scheduling, building and issuing the next step
         self.dispatch_seconds = 0.0  # of which the calls that issue its programs
+        # $QWEN_JAX_STEP_TRACE: a file that gets one JSON line per step (its plan, host times and device wait), to
+        # see where a served workload's time goes step by step.
+        trace = os.environ.get("QWEN_JAX_STEP_TRACE")
+        self._trace = open(trace, "a", buffering=1) if trace else None
         log.info("loaded %s in %.1fs; %s; total over %d replica(s): %d sequences at once, %d KV cache tokens",
                  model_path, self.load_seconds, "; ".join(r.describe() for r in self.replicas), dp,
                  sum(r.max_num_seqs for r in self.replicas), sum(r.num_tokens for r in self.replicas))
@@ -247,6 +252,7 @@ class EngineCore:
         start = time.perf_counter()
         issued, outputs = [], []
         ahead = []
+        waited = sum(r.runner.device_wait_seconds for r in self.replicas) if self._trace else 0.0
         for step in self._in_flight:
             if step.constrained:
                 outputs += self._apply(step)
@@ -263,14 +269,28 @@ class EngineCore:
                 out = replica.runner.executor(ops)
                 self.dispatch_seconds += time.perf_counter() - dispatch
                 issued.append(_InFlight(replica, rows, out))
-        self.plan_seconds += time.perf_counter() - start
+        planned = time.perf_counter()
+        self.plan_seconds += planned - start
         for step in ahead:
             outputs += self._apply(step)
         self._in_flight = issued
         if issued or outputs:
             self.num_steps += 1
             self.step_seconds += time.perf_counter() - start
+            if self._trace:
+                self._trace_step(issued, start, planned, waited)
         return outputs
+
+    def _trace_step(self, issued: list[_InFlight], start: float, planned: float, waited: float) -> None:
+        rows = [row for step in issued for row in step.rows]
+        waited = sum(r.runner.device_wait_seconds for r in self.replicas) - waited
+        self._trace.write(json.dumps({
+            "time": round(time.time() - (time.perf_counter() - start), 4), "plan_ms": round(1e3 * (planned - start), 3),
+            "wall_ms": round(1e3 * (time.perf_counter() - start), 3), "wait_ms": round(1e3 * waited, 3),
+            "rows": len(rows), "tokens": sum(r.num_tokens for r in rows), "steps": rows[0].steps if rows else 0,
+            "prefill_rows": sum(r.num_tokens > 1 for r in rows),
+            "waiting": sum(len(r.scheduler.waiting) for r in self.replicas),
+            "running": sum(len(r.scheduler.running) for r in self.replicas)}) + "\n")
 
     def _prepare(self, replica: Replica, rows: list[Row]) -> tuple[list[Row], list | None, list[CoreOutput]]:
         """A planned step's ops; when building them raises, the requests whose rows fail alone are failed and the
