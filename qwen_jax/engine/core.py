@@ -241,6 +241,13 @@ class EngineCore:
         with ThreadPoolExecutor(len(self.replicas)) as pool:
             list(pool.map(lambda r: r.warmup(full, background), self.replicas))
 
+    def run_compiled(self) -> bool:
+        """While nothing runs: give one program compiled in the background its first run, which would otherwise
+        stall the step that first needs it (ModelRunner.run_compiled). Whether one ran."""
+        if self.has_unfinished:
+            return False
+        return any(r.runner.run_compiled() for r in self.replicas)
+
     # ---- the loop --------------------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
         """Plan and issue the next step of every replica that has work, then read back the step issued before it

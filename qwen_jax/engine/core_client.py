@@ -79,7 +79,7 @@ def _serve(core, pull, send: Callable) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
-        timeout = 0 if core.has_unfinished else IDLE_POLL_MS
+        timeout = 0 if core.has_unfinished or core.run_compiled() else IDLE_POLL_MS
         outputs = []
         while poller.poll(timeout):
             message = pickle.loads(pull.recv())

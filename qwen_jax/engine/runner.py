@@ -89,7 +89,11 @@ class ModelRunner:
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self._stagers: dict[int, jax.stages.Compiled] = {}  # packed-input size -> its stage_inputs program
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
-        self._ready: list[int] | None = None  # None: every bucket, compiled when first needed
+        # None: every bucket, compiled when first needed. Else (compiling in the background) the buckets that are
+        # compiled and have run once: a program's first run costs the host 0.4-1.3 s (H200, 35B-A3B: loading it and
+        # recording its CUDA graphs), which must not fall on a request.
+        self._ready: list[int] | None = None
+        self._to_run: list[int] = []  # compiled in the background, waiting for their first run (run_compiled)
         self._compiling: threading.Thread | None = None
         # What runs a step's op list (see prepare): `execute` here; a multi-host leader's engine puts the broadcast to
         # the other hosts in front of it (engine/multihost.py).
@@ -394,7 +398,7 @@ class ModelRunner:
                                   "a program", self.decode_steps, size)
                     self.decode_steps_max_rows = 0
             if self._ready is not None:
-                self._ready = sorted({*self._ready, size})
+                self._to_run.append(size)
             log.info("compiled the step of %d tokens in %.1fs (%d of %d, %.1fs in all)", size,
                      time.perf_counter() - began, sum(s in self._forwards for s in todo), len(todo),
                      time.perf_counter() - start)
@@ -416,17 +420,13 @@ class ModelRunner:
         return step.pack_inputs(np.zeros(size, np.int32), batch)
 
     def warmup(self, first: list[int], max_pairs: int, background: list[int] = ()) -> None:
-        """Compile the steps of the token buckets `first` (several at once), run each on padding only (no request:
-        every write goes to the sinks, KV block 0, state slot 0, snapshot 0), and the snapshot copies of up to
-        `max_pairs` pairs; then compile the buckets `background` on a thread of their own while the engine serves
-        with the buckets compiled so far. Through the executor, so other hosts compile and run them too."""
+        """Compile the steps of the token buckets `first` (several at once), run each once on padding (run_padding),
+        and the snapshot copies of up to `max_pairs` pairs; then compile the buckets `background` on a thread of
+        their own while the engine serves with those compiled and run so far (each runs once in run_compiled,
+        when the engine is idle). Through the executor, so other hosts compile and run them too."""
         self.executor([("compile", list(first))])
         for size in first:
-            buffer, layout = self.step_inputs_for(size)
-            sampling, sampling_layout = self._padding_sampling(size)
-            for path in (0, 1):
-                jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, path, 0,
-                                                      False)]))
+            self.run_padding(size)
         if self.has_snapshots:
             for n in sorted({bucket(k) for k in range(1, max_pairs + 1)}):
                 self.executor([("restore", *self._pairs([(0, 0)] * n)), ("save", *self._pairs([(0, 0)] * n))])
@@ -434,12 +434,39 @@ class ModelRunner:
         rest = [size for size in background if size not in self._forwards]
         if rest:
             self._ready = sorted(self._forwards)
+            self._compile_start = time.perf_counter()
             self._compiling = threading.Thread(target=self._compile_rest, args=(rest,), daemon=True,
                                                name="qwen-jax-compile")
             self._compiling.start()
 
+    def run_padding(self, size: int) -> None:
+        """Run the compiled programs of token bucket `size` once on padding only (no request: every write goes to
+        the sinks, KV block 0, state slot 0) and wait for them. Overwrites last_tokens: only while no sequence
+        runs."""
+        buffer, layout = self.step_inputs_for(size)
+        sampling, sampling_layout = self._padding_sampling(size)
+        for path in (0, 1):
+            jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, path, 0, False)]))
+        if size in self._decoders:
+            jax.block_until_ready(self.executor([("decode_steps", buffer, layout, sampling, sampling_layout, 0, 0,
+                                                  self.decode_steps)]))
+
+    def run_compiled(self) -> bool:
+        """Give one bucket compiled in the background its first run (run_padding), then let steps use it; the
+        engine calls this only while no sequence runs. Whether one ran."""
+        if self._ready is None:
+            return False
+        ran = bool(self._to_run)
+        if ran:
+            size = self._to_run.pop(0)
+            self.run_padding(size)
+            self._ready = sorted({*self._ready, size})
+        if not self._to_run and not self._compiling.is_alive():
+            self._ready = None
+            log.info("every step bucket is compiled and has run once (%.1fs after the warm-up)",
+                     time.perf_counter() - self._compile_start)
+        return ran
+
     def _compile_rest(self, sizes: list[int]) -> None:
-        start = time.perf_counter()
         self.compile(sizes, threads=BACKGROUND_COMPILE_THREADS)
-        self._ready = None
-        log.info("every step bucket is compiled (%.1fs in the background)", time.perf_counter() - start)
+        log.info("the background compile is done (%.1fs)", time.perf_counter() - self._compile_start)

@@ -65,3 +65,35 @@ def test_full_warmup_leaves_nothing_to_compile(llama_dir, kit):
     assert [len(o.token_ids) for o in outs] == [4] * len(prompts)
     after = kit.compile_counts(llm)
     assert (after["forward"], after["stage"]) == (warm["forward"], warm["stage"]) == (len(buckets), len(buckets))
+
+
+def test_background_buckets_serve_only_after_their_first_run(llama_dir, kit):
+    """A server's warm-up compiles most buckets in the background. A program's first run costs the host far more
+    than later ones (on a GPU: loading it, recording its graphs), so a bucket serves steps only once it has run on
+    padding, which the engine does while idle (run_compiled); until then steps take buckets that have run. Outputs
+    are those of a fully warmed engine."""
+    prompts = [kit.prompt(n, seed=800 + n, vocab=kit.LLAMA_VOCAB) for n in (5, 40, 17, 60)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    reference = [o.token_ids for o in LLM(llama_dir, **kit.ENGINE_ARGS).generate(prompts, params)]
+
+    llm = LLM(llama_dir, **kit.ENGINE_ARGS)
+    core, runner = llm.engine, llm.engine.replicas[0].runner
+    core.warmup(full=True, background=True)
+    runner._compiling.join()
+    has_run = list(runner._ready)
+    waiting = list(runner._to_run)
+    assert waiting and set(waiting).isdisjoint(has_run)
+    used, ran = [], []
+    forward, run_padding = runner._forward, runner.run_padding
+    runner._forward = lambda layout: (used.append(step.layout_shape(layout, "tokens")[0]), forward(layout))[1]
+    runner.run_padding = lambda size: (ran.append(size), run_padding(size))[1]
+
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    assert used and set(used) <= set(has_run)  # nothing waiting for its first run served a step
+    while core.run_compiled():
+        pass
+    assert sorted(ran) == sorted(waiting) and runner._ready is None and not runner._to_run
+    used.clear()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
+    assert set(used) - set(has_run)  # now the best-fitting buckets serve
+    kit.assert_idle(llm)
