@@ -47,8 +47,11 @@ for c in ${LEVELS:-1 64 256}; do
     --label "kernels=${KERNELS:-auto} max_num_seqs=${MAX_NUM_SEQS:-256}" > "$OUT/serve_c$c.txt" 2>&1
   kill $smi
   grep -A3 "^ conc" "$OUT/serve_c$c.txt" | head -3
-  python3 -c "import sys; v = [float(x) for x in open(sys.argv[1]) if x.strip()]; b = v[2:-2] or v;
-print(f'GPU busy (nvidia-smi, {len(b)} samples of 100 ms): mean {sum(b) / max(len(b), 1):.1f}%')" "$OUT/gpu_busy_c$c.txt"
+  # over the requests' span: from the first sample with a kernel running to the last (the client first builds its
+  # prompts, seconds with an idle GPU)
+  python3 -c "import sys; v = [float(x) for x in open(sys.argv[1]) if x.strip()]; on = [i for i, x in enumerate(v) if x > 0];
+b = v[on[0]:on[-1] + 1] if on else v; print(f'GPU busy (nvidia-smi, {len(b)} samples of 100 ms): {sum(b) / max(len(b), 1):.1f}%')" \
+    "$OUT/gpu_busy_c$c.txt"
   curl -s "$URL/metrics" > "$OUT/metrics_after_c$c.txt"
   step_costs "$OUT/metrics_before_c$c.txt" "$OUT/metrics_after_c$c.txt"
 done
