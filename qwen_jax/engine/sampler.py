@@ -234,7 +234,31 @@ def allowed_tokens(t: SamplingTensors, vocab_size: int) -> jax.Array:
     return bits.reshape(words.shape[0], -1)[:, :vocab_size] != 0
 
 
-def _row_key(rng: jax.Array) -> jax.Array:
+def target_logits(logits: jax.Array, t: SamplingTensors, counts: jax.Array | None, path: int
+                  ) -> tuple[jax.Array, jax.Array]:
+    """float32 logits [B, V] -> (x, scaled): x the logits a greedy row takes its argmax of (grammar mask, logit bias,
+    penalties, bans applied), `scaled` those a sampled row draws from (x / temperature, then top-k, top-p and min-p
+    as -inf): the distribution every sampled token follows, speculative or not (engine/speculative.py)."""
+    v = logits.shape[1]
+    x = logits
+    if t.mask_rows.shape[0]:
+        x = jnp.where(allowed_tokens(t, v), x, -jnp.inf)
+    if t.bias_ids.shape[1]:
+        x = x.at[jnp.arange(x.shape[0])[:, None], t.bias_ids].add(t.bias_values, mode="drop")
+    if counts is not None:
+        x = apply_penalties(x, t, counts)
+    if t.banned_ids.shape[1]:
+        x = x.at[jnp.arange(x.shape[0])[:, None], t.banned_ids].set(-jnp.inf, mode="drop")
+    active = t.temperature > 0.0
+    scaled = x / jnp.where(active, t.temperature, 1.0)[:, None]
+    scaled = _truncate(scaled, t, active, path)
+    row_max = jnp.max(scaled, axis=-1, keepdims=True)
+    # min-p on the (renormalised) cut distribution: p / p_max is unchanged by renormalisation, so compare logits.
+    below_min_p = (t.min_p[:, None] > 0.0) & (scaled < row_max + jnp.log(jnp.maximum(t.min_p, 1e-30))[:, None])
+    return x, jnp.where(below_min_p, -jnp.inf, scaled)
+
+
+def row_key(rng: jax.Array) -> jax.Array:
     """(lo, hi, counter) -> fold_in(key(seed), counter): key data [hi, lo] is exactly what jax.random.key(seed) holds
     for a 64-bit seed (and [0, seed] for a 32-bit one), without tracing the seeding."""
     key = jax.random.wrap_key_data(jnp.stack([rng[1], rng[0]]), impl="threefry2x32")
@@ -255,29 +279,13 @@ def sample(logits: jax.Array, tensors: SamplingTensors, counts: jax.Array | None
     """
     t = tensors
     logits = logits.astype(jnp.float32)
-    b, v = logits.shape
+    b = logits.shape[0]
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    x = logits
-    if t.mask_rows.shape[0]:
-        x = jnp.where(allowed_tokens(t, v), x, -jnp.inf)
-    if t.bias_ids.shape[1]:
-        x = x.at[jnp.arange(b)[:, None], t.bias_ids].add(t.bias_values, mode="drop")
-    if counts is not None:
-        x = apply_penalties(x, t, counts)
-    if t.banned_ids.shape[1]:
-        x = x.at[jnp.arange(b)[:, None], t.banned_ids].set(-jnp.inf, mode="drop")
+    x, scaled = target_logits(logits, t, counts, path)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
-
-    active = t.temperature > 0.0
-    scaled = x / jnp.where(active, t.temperature, 1.0)[:, None]
-    scaled = _truncate(scaled, t, active, path)
-    row_max = jnp.max(scaled, axis=-1, keepdims=True)
-    # min-p on the (renormalised) cut distribution: p / p_max is unchanged by renormalisation, so compare logits.
-    below_min_p = (t.min_p[:, None] > 0.0) & (scaled < row_max + jnp.log(jnp.maximum(t.min_p, 1e-30))[:, None])
-    scaled = jnp.where(below_min_p, -jnp.inf, scaled)
-    keys = jax.vmap(_row_key)(t.rng)
+    keys = jax.vmap(row_key)(t.rng)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    tokens = jnp.where(active, drawn, greedy_tokens)
+    tokens = jnp.where(t.temperature > 0.0, drawn, greedy_tokens)
     if counts is not None:
         counts = count_tokens(counts, t, tokens)
 

@@ -1,0 +1,86 @@
+"""Speculative acceptance (engine/speculative.py): greedy rows emit exactly the target's argmax tokens, and sampled
+rows' emitted tokens follow exactly the plain sampler's distribution, checked by chi-square over many independent
+rows on a tiny vocabulary."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from qwen_jax.engine.sampler import SamplingTensors, cut_path, target_logits
+from qwen_jax.engine.speculative import verify
+from qwen_jax.sampling_params import SamplingParams
+
+
+def tensors_for(params: list[SamplingParams], vocab: int) -> SamplingTensors:
+    host = SamplingTensors.build_host(params, [0] * len(params), vocab_size=vocab, batch_size=len(params))
+    return SamplingTensors(*(jnp.asarray(a) for a in host))
+
+
+def test_greedy_rows_emit_the_accepted_prefix_then_the_argmax():
+    rng = np.random.default_rng(0)
+    rows, k, vocab = 8, 3, 11
+    logits = jnp.asarray(rng.normal(size=(rows, k + 1, vocab)), jnp.float32)
+    argmax = np.asarray(jnp.argmax(logits, axis=-1))
+    matching = [0, 1, 2, 3, 0, 3, 1, 2]  # drafts that match the argmax before the first wrong one
+    drafts = argmax[:, :k].copy()
+    for r, m in enumerate(matching):
+        if m < k:
+            drafts[r, m] = (drafts[r, m] + 1) % vocab
+    out = verify(logits, jnp.asarray(drafts, jnp.int32), tensors_for([SamplingParams(temperature=0.0)] * rows, vocab),
+                 num_top_logprobs=2, path=0)
+    tokens, emitted = np.asarray(out.tokens), np.asarray(out.num_emitted)
+    assert emitted.tolist() == [m + 1 for m in matching]
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for r, m in enumerate(matching):
+        assert tokens[r, :m + 1].tolist() == argmax[r, :m + 1].tolist()  # drafts, then the target's correction/bonus
+        assert (tokens[r, m + 1:] == -1).all()
+        np.testing.assert_allclose(np.asarray(out.logprobs)[r, :m + 1], raw[r, np.arange(m + 1), tokens[r, :m + 1]],
+                                   rtol=1e-6)
+    assert np.asarray(out.top_ids)[:, :, 0].tolist() == argmax.tolist()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05)],
+                         ids=["temperature", "top_k", "top_p_min_p"])
+def test_sampled_rows_emit_the_samplers_distribution(params):
+    """Every row sees the same logits and drafts and draws its own numbers: the first emitted token must follow
+    p_0; the second, among rows whose first was the accepted draft d_0, p_1; the third (the bonus after both drafts),
+    p_2, where p_j is the plain sampler's distribution at position j."""
+    vocab, k, rows = 6, 2, 40000
+    rng = np.random.default_rng(1)
+    position_logits = rng.normal(size=(k + 1, vocab)) * 1.5
+    drafts = np.array([int(np.argsort(position_logits[0])[-2]), int(np.argmax(position_logits[1]))])  # likely, not sure
+    logits = jnp.broadcast_to(jnp.asarray(position_logits, jnp.float32), (rows, k + 1, vocab))
+    tensors = tensors_for([params] * rows, vocab)
+    path = cut_path([params], vocab)
+    out = verify(logits, jnp.broadcast_to(jnp.asarray(drafts, jnp.int32), (rows, k)), tensors, num_top_logprobs=0,
+                 path=path)
+    tokens, emitted = np.asarray(out.tokens), np.asarray(out.num_emitted)
+    one = tensors_for([params], vocab)
+    expected = [np.asarray(jax.nn.softmax(target_logits(jnp.asarray(position_logits[j:j + 1], jnp.float32), one, None,
+                                                        path)[1]))[0] for j in range(k + 1)]
+    first, second = tokens[:, 0] == drafts[0], tokens[:, 1] == drafts[1]
+    reaching = [np.ones(rows, bool), first, first & second]
+    for j in range(k + 1):
+        seen = tokens[reaching[j], j]
+        assert (seen >= 0).all() and len(seen) > 2000
+        support = expected[j] > 0
+        assert set(np.unique(seen)) <= set(np.flatnonzero(support))  # never a token the sampler cuts
+        counts = np.bincount(seen, minlength=vocab)[support]
+        p = expected[j][support].astype(np.float64)
+        p_value = stats.chisquare(counts, p / p.sum() * len(seen)).pvalue
+        assert p_value > 1e-3, (j, counts, expected[j])
+    assert (emitted == 1 + (tokens[:, 1] >= 0) + (tokens[:, 2] >= 0)).all()
+    # the first draft is accepted with probability p_0(d_0)
+    accepted = (tokens[:, 0] == drafts[0]) & (emitted > 1)
+    assert abs(accepted.mean() - expected[0][drafts[0]]) < 4 * np.sqrt(expected[0][drafts[0]] / rows)
+
+
+def test_drafts_must_match_the_positions():
+    logits = jnp.zeros((2, 3, 5), jnp.float32)
+    with pytest.raises(ValueError, match="drafts"):
+        verify(logits, jnp.zeros((2, 3), jnp.int32), tensors_for([SamplingParams()] * 2, 5), num_top_logprobs=0,
+               path=0)
