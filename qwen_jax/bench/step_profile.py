@@ -22,6 +22,7 @@ import numpy as np
 from qwen_jax.bench.gpu_profile import profile_calls
 from qwen_jax.bench.roofline import H200_TBPS, decode_bytes, prefill_flops_per_token
 from qwen_jax.config import load_config
+from qwen_jax.engine import step
 from qwen_jax.engine.core import engine_args
 from qwen_jax.engine.replica import DECODE_STEPS, Replica
 from qwen_jax.engine.runner import ModelRunner
@@ -112,6 +113,19 @@ def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, b
     return row
 
 
+def verify_row(runner: ModelRunner, cfg, batch: int, drafts: int, context: int, steps: int) -> dict:
+    """The main model's step of speculative decoding's verification: `batch` rows of drafts + 1 query tokens each
+    (a row's last token and its drafts) at positions context..context+drafts, as one step of the ragged batch; its
+    wall time and GPU time. (A verify step also takes logits at every position and keeps each position's GDN
+    state; not here: the LM head reads its weight once whatever the rows, and the states are written once.)"""
+    seqs = fake_sequences(batch, context + drafts + 1, cfg.vocab_size, 2)
+    rows = [Row(seq, context, drafts + 1, samples=True) for seq in seqs]
+    timed = time_steps(runner, rows, steps)
+    gpu = profile_calls(lambda: runner.execute(runner.prepare(rows)).tokens, calls=3, top=0)
+    return {"verify_batch": batch, "draft_tokens": drafts, "context": context, **timed,
+            "gpu_ms": gpu["gpu_busy_ms_per_call"]}
+
+
 def prefill_row(runner: ModelRunner, cfg, length: int, steps: int, profile: int) -> dict:
     """Steps that prefill one whole prompt of `length` tokens from position 0."""
     rows = [Row(fake_sequences(1, length, cfg.vocab_size, 1)[0], 0, length, samples=True)]
@@ -188,24 +202,32 @@ def main(argv: Seq[str] | None = None) -> dict:
                          "(default 15) that take the most time")
     ap.add_argument("--prefill", default="",
                     help="comma-separated prompt lengths: time the step that prefills one prompt of each length")
+    ap.add_argument("--verify", default="",
+                    help="comma-separated draft counts k: time each decode batch's verify step with k drafts a row")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="one replica over this many devices")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="experts split over the devices (EP)")
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer-kind breakdown")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
-    batches, prefills = _ints(args.batches), _ints(args.prefill)
+    batches, prefills, drafts = _ints(args.batches), _ints(args.prefill), _ints(args.verify)
     mesh = make_mesh(args.tensor_parallel_size, 1, args.enable_expert_parallel)
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
     ahead = args.num_scheduler_steps or DECODE_STEPS  # decode steps a program may run past the context
     longest = max([args.context + ahead, *prefills])
     # KV blocks for every decode row's context; a prefill reuses the first rows' blocks.
     blocks = max(max(batches, default=0) * blocks_for(args.context + 1, ahead), blocks_for(longest))
-    sizes = engine_args(dict(max_num_seqs=max(batches, default=1), max_num_batched_tokens=max([*batches, *prefills]),
+    verify_tokens = [b * (k + 1) for b in batches for k in drafts]
+    if drafts and max(drafts) >= ahead:
+        raise ValueError(f"--verify: at most {ahead - 1} drafts (the rows' KV blocks cover {ahead} tokens ahead)")
+    sizes = engine_args(dict(max_num_seqs=max(batches, default=1),
+                             max_num_batched_tokens=max([*batches, *prefills, *verify_tokens]),
                              block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks,
                              num_scheduler_steps=args.num_scheduler_steps, kernels=args.kernels))
     runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
+    # every bucket the run needs, compiled up front several at once (as the engine's warm-up does)
+    runner.compile(sorted({step.bucket_for(n, runner.token_buckets) for n in [*batches, *prefills, *verify_tokens]}))
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
-              "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "prefill": [], "layers": [],
+              "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "verify": [], "prefill": [], "layers": [],
               "param_gib_per_device": [round(b / 2**30, 2) for b in rules.bytes_per_device(params).values()]}
     print(json.dumps({k: report[k] for k in ("mesh", "param_gib_per_device")}), flush=True)
     for b in batches:
@@ -214,6 +236,10 @@ def main(argv: Seq[str] | None = None) -> dict:
                                       for d in mesh.devices.flat]
         report["decode"].append(row)
         print(json.dumps(row), flush=True)
+    for b in batches:
+        for k in drafts:
+            report["verify"].append(verify_row(runner, cfg, b, k, args.context, args.steps))
+            print(json.dumps(report["verify"][-1]), flush=True)
     for length in prefills:
         report["prefill"].append(prefill_row(runner, cfg, length, max(1, args.steps // 4), args.profile))
         print(json.dumps(report["prefill"][-1]), flush=True)
