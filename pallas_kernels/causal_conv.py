@@ -17,6 +17,9 @@ Requests (`_request_kernel`): one program per (request, channel block), the cach
   state, the K - 1 inputs ending at its last token (x, or the old state for requests shorter than K - 1). It runs
   after the first launch has read the old states. Padding requests (no tokens) read and write nothing.
 
+`verify_causal_convs` (the layers' `verify_conv` op) is the token launch alone: speculative verify rows are
+requests of two or more tokens, and their slots stay unwritten until the layers' commit_verified.
+
 The arithmetic and tiles (64 x 64 tokens x channels, 256 channels a request) are those measured on an H200 for the
 row layout (`python -m qwen_jax.bench.kernels --only causal_conv`: about 2 TB/s for long prefills, 2-4 us a decode
 step). On the CPU the tests run these kernels under Triton's interpreter; qwen_jax/layers/ops.py
@@ -164,6 +167,48 @@ def _token_launch(triton_call, x3, flat_cache, missing, w3, meta, flat_x, xs, to
         C2=channels[2], KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c)
 
 
+def _flattened(xs, caches, weights, batch):
+    """The launches' operands, checked: x [T, C], caches [slots, K-1, C], weights [K, C] of each input, padded to
+    three with stand-ins, the channel counts (0 for a stand-in: it has no channel blocks, so no program touches it)
+    and the batch's int32 fields."""
+    if not (len(xs) == len(caches) == len(weights)) or not 1 <= len(xs) <= 3:
+        raise ValueError(f"causal_conv: give one to three inputs with a cache and a weight each, got {len(xs)} "
+                         f"inputs, {len(caches)} caches, {len(weights)} weights")
+    kernel, tokens = weights[0].shape[0], xs[0].shape[0]
+    flat_x, flat_cache, flat_w = [], [], []
+    for x, cache, w in zip(xs, caches, weights, strict=True):
+        if x.shape[0] != tokens or cache.shape[1:] != (kernel - 1, *x.shape[1:]) or \
+                w.shape != (kernel, *x.shape[1:]) or cache.dtype != x.dtype:
+            raise ValueError(f"causal_conv: x {x.shape} {x.dtype}, cache {cache.shape} {cache.dtype}, weight "
+                             f"{w.shape} do not match")
+        channels = math.prod(x.shape[1:])
+        flat_x.append(x.reshape(tokens, channels))
+        flat_cache.append(cache.reshape(cache.shape[0], kernel - 1, channels))
+        flat_w.append(w.reshape(kernel, channels))
+    missing = 3 - len(xs)
+    channels = [x.shape[1] for x in flat_x] + [0] * missing
+    x3, w3 = flat_x + flat_x[:1] * missing, flat_w + flat_w[:1] * missing
+    meta = [jnp.asarray(a, jnp.int32) for a in (batch.token_request, batch.token_valid, batch.query_start,
+                                                batch.query_len, batch.state_slot, batch.fresh)]
+    return flat_x, flat_cache, x3, w3, channels, meta
+
+
+def verify_causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
+                        batch: Any, *, block_t: int = 64, block_c: int = 64, num_warps: int = 4,
+                        triton_call=None) -> tuple[jax.Array, ...]:
+    """The layers' `verify_conv` op (qwen_jax.layers.gated_deltanet.verify_causal_convs): the outputs of speculative
+    verify rows (requests of two or more tokens, or padding requests), no cache written. The token launch alone,
+    which computes every request of two or more tokens as `causal_convs` does; padding tokens' outputs are 0.
+    Arguments as `causal_convs`'."""
+    flat_x, flat_cache, x3, w3, channels, meta = _flattened(xs, caches, weights, batch)
+    kernel, tokens, missing = weights[0].shape[0], xs[0].shape[0], 3 - len(xs)
+    if tokens == 1:  # no row of two tokens fits: all padding
+        return tuple(jnp.zeros(x.shape, x.dtype) for x in xs)
+    outs = _token_launch(triton_call, x3, flat_cache, missing, w3, meta, flat_x, xs, tokens, block_t, block_c,
+                         channels, kernel, num_warps)
+    return tuple(o.reshape(x.shape) for o, x in zip(outs, xs))
+
+
 def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
                  batch: Any, *, block_t: int = 64, block_c: int = 64, request_block_c: int = 256,
                  num_warps: int = 4, triton_call=None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -176,25 +221,8 @@ def causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weigh
     Tiles: block_t x block_c tokens x channels for prefill tokens, request_block_c channels a request.
     triton_call: the launcher, jax_triton.triton_call unless given (the tests give one that runs Triton's
     interpreter on the CPU)."""
-    if not (len(xs) == len(caches) == len(weights)) or not 1 <= len(xs) <= 3:
-        raise ValueError(f"causal_conv: give one to three inputs with a cache and a weight each, got {len(xs)} "
-                         f"inputs, {len(caches)} caches, {len(weights)} weights")
-    kernel, tokens, requests = weights[0].shape[0], xs[0].shape[0], batch.query_len.shape[0]
-    flat_x, flat_cache, flat_w = [], [], []
-    for x, cache, w in zip(xs, caches, weights, strict=True):
-        if x.shape[0] != tokens or cache.shape[1:] != (kernel - 1, *x.shape[1:]) or \
-                w.shape != (kernel, *x.shape[1:]) or cache.dtype != x.dtype:
-            raise ValueError(f"causal_conv: x {x.shape} {x.dtype}, cache {cache.shape} {cache.dtype}, weight "
-                             f"{w.shape} do not match")
-        channels = math.prod(x.shape[1:])
-        flat_x.append(x.reshape(tokens, channels))
-        flat_cache.append(cache.reshape(cache.shape[0], kernel - 1, channels))
-        flat_w.append(w.reshape(kernel, channels))
-    missing = 3 - len(xs)  # a missing input has no channel blocks: no program touches its stand-ins
-    channels = [x.shape[1] for x in flat_x] + [0] * missing
-    x3, w3 = flat_x + flat_x[:1] * missing, flat_w + flat_w[:1] * missing
-    meta = [jnp.asarray(a, jnp.int32) for a in (batch.token_request, batch.token_valid, batch.query_start,
-                                                batch.query_len, batch.state_slot, batch.fresh)]
+    flat_x, flat_cache, x3, w3, channels, meta = _flattened(xs, caches, weights, batch)
+    kernel, tokens, requests, missing = weights[0].shape[0], xs[0].shape[0], batch.query_len.shape[0], 3 - len(xs)
     if tokens == 1:  # a one-token step holds no prefill: its token (if any) is the request launch's
         outs = tuple(jnp.zeros(x.shape, x.dtype) for x in flat_x) + (jnp.zeros((1, 1), xs[0].dtype),) * missing
     else:

@@ -1,12 +1,13 @@
 """The Gated DeltaNet recurrence of a flat ragged batch on the GPU: the decode kernel (gdn_decode) for one-token
-requests, the chunked prefill kernels (gdn_prefill) for the rest, into one output and one state buffer, both in place.
-It has the contract of qwen_jax.layers.gated_deltanet.delta_rule and must never take over the layer's projections,
+requests, the chunked prefill kernels (gdn_prefill) for the rest, into one output and one state buffer, both in place;
+and speculative verify rows through gdn_decode's verify kernel. They have the contracts of
+qwen_jax.layers.gated_deltanet.delta_rule and verify_delta_rule and must never take over the layer's projections,
 conv or gated norm."""
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gdn_decode import decode
+from pallas_kernels.gdn_decode import decode, verify
 from pallas_kernels.gdn_prefill import prefill
 
 
@@ -33,3 +34,14 @@ def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Ar
                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return decode(q, k, v, a, b, A_log, dt_bias, ssm, batch, out, block_v=decode_block_v, num_warps=decode_num_warps,
                   interpret=interpret)
+
+
+def verify_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
+                      dt_bias: jax.Array, ssm: jax.Array, batch, draft_len: int, *, block_v: int | None = None,
+                      num_warps: int = 4, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """Speculative verify rows: every request of `batch` has exactly draft_len + 1 tokens (static, >= 1) or none;
+    inputs as delta_rule's. Returns (out [T, nv, dv] in v's dtype, 0 on padding tokens; states [T, nv, dk, dv]
+    float32, each row's state after each of its tokens, undefined on padding tokens); ssm is only read. One launch
+    (gdn_decode.verify, block_v and num_warps its own); interpret=None interprets on CPU only."""
+    return verify(q, k, v, a, b, A_log, dt_bias, ssm, batch, draft_len, jnp.zeros(v.shape, v.dtype),
+                  block_v=block_v, num_warps=num_warps, interpret=interpret)

@@ -10,6 +10,7 @@ one KV (key) head its query (value) heads share: that needs the query heads of a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -99,14 +100,25 @@ def head_parallel_delta_rule(cfg: ModelConfig, mesh: Mesh, delta_rule: Callable)
     return sharded
 
 
+def head_parallel_verify_delta_rule(cfg: ModelConfig, mesh: Mesh, verify_delta_rule: Callable) -> Callable:
+    """`verify_delta_rule` (the speculative verify contract) split as head_parallel_delta_rule splits the delta rule:
+    its per-token states [T, nv, dk, dv] come out split on value heads, as ssm is."""
+    def verify(q, k, v, a, b, A_log, dt_bias, ssm, batch, draft_len):
+        op = functools.partial(verify_delta_rule, draft_len=draft_len)
+        return head_parallel_delta_rule(cfg, mesh, op)(q, k, v, a, b, A_log, dt_bias, ssm, batch)
+
+    return verify
+
+
 def ops_for_mesh(cfg: ModelConfig, mesh: Mesh, kernels: str) -> Ops:
     """A mesh's ops: ops_for(kernels) when one device holds the whole model; else that bundle as XLA's
     partitioner runs it (layers/ops.py keeps the projections, norms and convs on XLA, which splits a dot by the
-    weights' shardings but cannot split a Pallas call), with attention, the delta rule and the MoE's experts
-    (sharding/moe.py) each split over the model axes here."""
+    weights' shardings but cannot split a Pallas call), with attention, the delta rule (and its verify form) and the
+    MoE's experts (sharding/moe.py) each split over the model axes here."""
     if model_parallel_size(mesh) == 1:
         return ops_for(kernels)
     ops = ops_for(kernels, partitioned=True)
     return dataclasses.replace(ops, attention=head_parallel_attention(cfg, mesh, ops.attention),
                                delta_rule=head_parallel_delta_rule(cfg, mesh, ops.delta_rule),
+                               verify_delta_rule=head_parallel_verify_delta_rule(cfg, mesh, ops.verify_delta_rule),
                                moe=expert_parallel_moe(cfg, mesh, ops.experts) if cfg.moe_layers else ops.moe)

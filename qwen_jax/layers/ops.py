@@ -21,6 +21,10 @@ Each op has one contract, shared by its reference and its kernel; `batch` is the
   norm(x, weight, eps, plus_one) -> x's dtype, the last axis RMS-normalised    (qwen_jax.layers.norms.rms_norm)
   conv(xs, caches, weights, batch) -> (outs, caches), a GDN layer's causal convs of q, k and v on their requests'
       state slots                                             (qwen_jax.layers.gated_deltanet.causal_convs)
+  verify_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm, batch, draft_len) -> (out, states [T, nv, dk, dv] float32),
+      speculative verify rows of draft_len + 1 tokens, ssm only read  (qwen_jax.layers.gated_deltanet.verify_delta_rule)
+  verify_conv(xs, caches, weights, batch) -> outs, the convs of verify rows, caches only read
+                                                              (qwen_jax.layers.gated_deltanet.verify_causal_convs)
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import jax
 from pallas_kernels import gdn, moe_gemm, paged_attention, rms_norm, router, skinny_matmul
 from pallas_kernels.tiling import triton_available
 from qwen_jax.layers.attention import paged_attention as attention_reference
-from qwen_jax.layers.gated_deltanet import causal_convs, delta_rule
+from qwen_jax.layers.gated_deltanet import causal_convs, delta_rule, verify_causal_convs, verify_delta_rule
 from qwen_jax.layers.mlp import dense, routed_experts_f32, sparse_moe
 from qwen_jax.layers.norms import rms_norm as norm_reference
 
@@ -60,6 +64,8 @@ class Ops:
     dense: Callable
     norm: Callable
     conv: Callable
+    verify_delta_rule: Callable
+    verify_conv: Callable
 
 
 # Below this contraction XLA's one-row reduction is as fast as the one-row kernel. The shared expert's down
@@ -115,17 +121,29 @@ def conv_kernel(xs, caches, weights, batch):
     return causal_conv.causal_convs(xs, caches, weights, batch)
 
 
+def verify_conv_kernel(xs, caches, weights, batch):
+    """The `verify_conv` op on the native Triton token launch (pallas_kernels/causal_conv.py) where jax-triton
+    launches; the reference elsewhere."""
+    if not triton_available():
+        return verify_causal_convs(xs, caches, weights, batch)
+    from pallas_kernels import causal_conv  # imports triton, which only GPU machines and the tests install
+
+    return causal_conv.verify_causal_convs(xs, caches, weights, batch)
+
+
 def ops_for(kernels: str, partitioned: bool = False) -> Ops:
     """The one switch: "reference" (the jnp ops), "gpu" (the kernels, by the rules in this module's docstring) or
     "auto". partitioned: the ops run under XLA's partitioner over a mesh's model axes, so dense, norm and conv stay
     XLA's."""
     if resolve_kernels(kernels) == "reference":
         return Ops(attention=attention_reference, delta_rule=delta_rule, moe=sparse_moe, experts=routed_experts_f32,
-                   dense=dense, norm=norm_reference, conv=causal_convs)
+                   dense=dense, norm=norm_reference, conv=causal_convs, verify_delta_rule=verify_delta_rule,
+                   verify_conv=verify_causal_convs)
     dense_op = dense if partitioned else dense_kernel
     return Ops(attention=paged_attention.paged_attention, delta_rule=gdn.delta_rule,
                moe=functools.partial(sparse_moe, dense_op=dense_op, route_op=router.route_logits,
                                      experts_op=moe_gemm.routed_experts),
                experts=moe_gemm.routed_experts, dense=dense_op,
                norm=norm_reference if partitioned else norm_kernel,
-               conv=causal_convs if partitioned else conv_kernel)
+               conv=causal_convs if partitioned else conv_kernel, verify_delta_rule=gdn.verify_delta_rule,
+               verify_conv=verify_causal_convs if partitioned else verify_conv_kernel)

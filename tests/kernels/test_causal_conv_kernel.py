@@ -19,7 +19,7 @@ import pytest
 from test_moe_triton import interpreted_call  # tests/kernels is on sys.path (pytest's prepend mode)
 
 from qwen_jax.layers.batch import Ragged, ragged
-from qwen_jax.layers.gated_deltanet import causal_convs
+from qwen_jax.layers.gated_deltanet import causal_convs, verify_causal_convs
 from qwen_jax.layers.ops import ops_for
 
 EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles
@@ -114,3 +114,20 @@ def test_op_takes_the_reference_where_triton_cannot_run():
     got, want = jax.jit(ops_for("gpu").conv, compiler_options=EXACT)(*args), reference(*args)
     for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("draft_len", [1, 3])
+def test_verify_kernel_matches_the_reference(causal_conv_kernel, draft_len):
+    """Speculative verify rows (draft_len + 1 tokens each: mid-sequence, fresh, starting inside the conv's state):
+    the token launch's outputs as the reference's (verify_causal_convs), 0 on padding tokens, no cache returned."""
+    requests = [(9, draft_len + 1), (0, draft_len + 1), (1, draft_len + 1), (30, draft_len + 1)]
+    xs, caches, weights, batch = make_case(8 + draft_len, requests, QKV, 4 * draft_len + 9, 6)
+    got = causal_conv_kernel.verify_causal_convs(xs, caches, weights, batch, triton_call=interpreted_call,
+                                                 block_t=8, block_c=8)
+    want = jax.jit(verify_causal_convs, compiler_options=EXACT)(xs, caches, weights, batch)
+    valid = batch.token_valid
+    assert len(got) == 3
+    for g, w, x in zip(got, want, xs, strict=True):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(g)[valid], np.asarray(w)[valid], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(g)[~valid], 0.0)
