@@ -24,6 +24,7 @@ from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
+from qwen_jax.engine.speculative import VerifyOutput
 from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ ENGINE_ARGS = dict(
     # Decode steps per program for batches of a few requests (vLLM's multi-step scheduling); None: 4 on a GPU, 1
     # elsewhere (engine/replica.py says why).
     num_scheduler_steps=None,
+    # Speculative decoding, vLLM's flag: {"method": "mtp", "num_speculative_tokens": k} (or its JSON); None: off.
+    speculative_config=None,
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
     cpu_cache_budget_gib=2.0,  # cache memory on a CPU backend (no device memory statistics there)
@@ -101,9 +104,11 @@ class _InFlight:
     out: SampleOutput
 
     @property
-    def constrained(self) -> bool:
-        """It samples for a request under a grammar, whose next mask needs this step's token."""
-        return any(row.samples and row.seq.grammar is not None for row in self.rows)
+    def read_first(self) -> bool:
+        """The next step cannot be planned before this one is read back: it samples for a request under a grammar
+        (whose next mask needs this step's token), or verifies drafts (how many tokens each row emits decides where
+        the next step starts)."""
+        return any(row.drafts or row.samples and row.seq.grammar is not None for row in self.rows)
 
 
 class EngineCore:
@@ -159,6 +164,9 @@ class EngineCore:
         self.step_seconds = 0.0  # wall time of step(): planning, issuing, waiting, applying tokens
         self.plan_seconds = 0.0  # of which scheduling, building and issuing the next step
         self.dispatch_seconds = 0.0  # of which the calls that issue its programs
+        # speculative decoding: rows verified, drafts proposed to them, drafts accepted (acceptance length: 1 +
+        # accepted / verified rows tokens a row a step)
+        self.spec_rows = self.spec_drafted = self.spec_accepted = 0
         # $QWEN_JAX_STEP_TRACE: a file that gets one JSON line per step (its plan, host times and device wait), to
         # see where a served workload's time goes step by step.
         trace = os.environ.get("QWEN_JAX_STEP_TRACE")
@@ -261,12 +269,13 @@ class EngineCore:
         ahead = []
         waited = sum(r.runner.device_wait_seconds for r in self.replicas) if self._trace else 0.0
         for step in self._in_flight:
-            if step.constrained:
+            if step.read_first:
                 outputs += self._apply(step)
             else:
                 ahead.append(step)
         for replica in self.replicas:
-            plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running))
+            plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running),
+                                              replica.runner.num_speculative_tokens)
             if plan.empty:
                 continue
             rows, ops, failed = self._prepare(replica, plan.rows)
@@ -324,28 +333,39 @@ class EngineCore:
 
     def _apply(self, step: _InFlight) -> list[CoreOutput]:
         host = step.replica.runner.fetch(step.out)
-        if host.tokens.ndim == 1:  # one step; several in one program give [steps, requests]
+        emitted = None
+        if isinstance(host, VerifyOutput):  # [requests, drafts + 1] -> [positions, requests], as several steps give
+            emitted = host.num_emitted
+            host = SampleOutput(host.tokens.T, host.logprobs.T, host.top_ids.transpose(1, 0, 2),
+                                host.top_logprobs.transpose(1, 0, 2))
+        elif host.tokens.ndim == 1:  # one step; several in one program give [steps, requests]
             host = SampleOutput(*(a[None] for a in host))
         outputs = []
         for i, row in enumerate(step.rows):
             if not row.samples:
                 continue
             row.seq.num_pending -= row.steps
+            count = row.steps
+            if emitted is not None:  # the step booked every draft as computed; the rejected ones were not
+                count = int(emitted[i])
+                row.seq.num_computed_tokens -= row.drafts + 1 - count
+                self.spec_rows, self.spec_drafted = self.spec_rows + 1, self.spec_drafted + row.drafts
+                self.spec_accepted += count - 1
             try:
-                out = self._apply_row(step.replica, row, host, i)
+                out = self._apply_row(step.replica, row, host, i, count)
             except Exception as exc:
                 out = self._fail(step.replica, row.seq, exc)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _apply_row(self, replica: Replica, row: Row, host: SampleOutput, i: int) -> CoreOutput | None:
-        """Append row i's sampled tokens to its sequence and apply the stop rules; its output (None when it had
-        ended before this step came back)."""
+    def _apply_row(self, replica: Replica, row: Row, host: SampleOutput, i: int, count: int) -> CoreOutput | None:
+        """Append row i's `count` sampled tokens to its sequence and apply the stop rules; its output (None when it
+        had ended before this step came back)."""
         seq = row.seq
         tokens, logprobs = [], [] if seq.params.logprobs is not None else None
         out = None
-        for j in range(row.steps):
+        for j in range(count):
             if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
                 break
             token = int(host.tokens[j, i])
@@ -427,6 +447,8 @@ class EngineCore:
                 totals[key] = totals.get(key, 0) + value
         return {**totals, "steps_total": self.num_steps, "step_seconds_total": self.step_seconds,
                 "step_plan_seconds_total": self.plan_seconds, "step_dispatch_seconds_total": self.dispatch_seconds,
+                "spec_verified_rows_total": self.spec_rows, "spec_drafted_tokens_total": self.spec_drafted,
+                "spec_accepted_tokens_total": self.spec_accepted,
                 "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total}
 

@@ -20,6 +20,7 @@ from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.scheduler import Scheduler
 from qwen_jax.engine.sequence import Sequence
+from qwen_jax.engine.speculative import num_speculative_tokens
 from sharding import rules
 from sharding.mesh import describe as describe_mesh
 
@@ -62,7 +63,8 @@ class Replica:
                                   self.num_snapshots if self.prefix_cache else 0, max_model_len, self.max_num_seqs,
                                   self.max_num_batched_tokens, eos_token_ids, seed=seed, mesh=mesh,
                                   decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS,
-                                  kernels=args["kernels"])
+                                  kernels=args["kernels"],
+                                  num_speculative_tokens=num_speculative_tokens(args["speculative_config"]))
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
     def _size_memory(self, args: dict) -> None:

@@ -48,7 +48,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict | None, num_blocks: int, block_size: int, num_slots: int,
                  num_snapshots: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, decode_steps: int = 1,
-                 decode_steps_max_rows: int = 0, kernels: str = "reference"):
+                 decode_steps_max_rows: int = 0, kernels: str = "reference", num_speculative_tokens: int = 0):
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules. None: the
         mesh is on other hosts (a data-parallel replica there); this runner only writes its steps down, and its
         executor sends them where they run (engine/multihost.py). `kernels`: the hot ops' implementation
@@ -62,6 +62,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.num_slots = num_slots
         # Decode steps of up to decode_steps_max_rows requests run decode_steps at a time in one program.
+        self.num_speculative_tokens = num_speculative_tokens  # drafts a decoding row verifies a step (0: none)
         self.decode_steps = decode_steps
         self.decode_steps_max_rows = decode_steps_max_rows if decode_steps > 1 else 0
         self.decode_buckets = [size for size in step.token_buckets(max_num_batched_tokens, max_num_seqs)
@@ -71,12 +72,14 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.step_seed = seed * 1_000_003
         self.has_snapshots = bool(num_snapshots and cfg.is_hybrid)
-        self.cache = self.snapshots = self.penalty_counts = self.last_tokens = None
+        self.cache = self.snapshots = self.penalty_counts = self.last_tokens = self.drafts = None
         if params is not None:
             self.cache = rules.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots)
             put = self._put
             self.penalty_counts = put(np.zeros((num_slots, cfg.vocab_size), np.int32))
             self.last_tokens = put(np.zeros(max_num_seqs, np.int32))
+            # speculative decoding: the drafts proposed for each row of the last step (row r: sample row r's)
+            self.drafts = put(np.zeros((max_num_seqs, num_speculative_tokens), np.int32))
         if params is not None and self.has_snapshots:  # GDN state only (+ the sink at 0), split like the cache
             snapshot_cache = rules.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1)["layers"]
             self.snapshots = [snapshot_cache[i] for i in step.gdn_indices(cfg)]
@@ -123,14 +126,20 @@ class ModelRunner:
             known = min(end, seq.num_known_tokens)
             ids = seq.token_ids(r.start, known)
             tokens[at:at + len(ids)] = ids
-            if end > known:  # the row's last token is still on the device: the previous step sampled it
-                source[at + r.num_tokens - 1] = seq.sample_row
+            # The row's first unknown token is still on the device (the previous step sampled it), unless it is
+            # a draft (a verify row whose last token is known: its drafts come from the device in the program).
+            if end > known and (not r.drafts or known == r.start):
+                source[at + known - r.start] = seq.sample_row
             at += r.num_tokens
         batch = ragged([r.start for r in rows], [r.num_tokens for r in rows], [r.seq.slot for r in rows],
                        [r.seq.block_table for r in rows], padded, num_requests, self.table_width)
+        draft_source = np.zeros(num_requests, np.int32)
+        draft_source[:len(rows)] = [r.seq.sample_row for r in rows]  # where the last step left each one's drafts
         for i, r in enumerate(rows):
             if r.samples:
                 r.seq.sample_row = i
+        if rows and rows[0].drafts:
+            return step.pack_verify_inputs(tokens, batch, source, draft_source)
         return step.pack_inputs(tokens, batch, source)
 
     def prepare(self, rows: list[Row]) -> list:
@@ -162,6 +171,9 @@ class ModelRunner:
         entering = [r.seq for r in rows if r.admitted and r.seq.params.has_penalties]
         if entering:
             ops.append(("penalties", *self._penalty_rows(entering)))
+        if rows and rows[0].drafts:  # verify rows only (Scheduler._speculate): no penalties, admissions, snapshots
+            return [("verify", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size),
+                     top, rows[0].drafts)]
         if steps > 1:  # decoding rows only (Scheduler._multi_step): no penalties, admissions or snapshots
             ops.append(("decode_steps", buffer, layout, sampling_buffer, sampling_layout,
                         cut_path(sampling, self.vocab_size), top, steps))
@@ -254,6 +266,14 @@ class ModelRunner:
                 program = self._decode_program(layout, sampling_layout, path, top, steps)
                 inputs, sampling = self._stage(layout, buffer, sampling)
                 out, self.cache, self.last_tokens = program(self.params, self.cache, self.last_tokens, inputs, sampling)
+            elif kind == "verify":
+                buffer, layout, sampling, sampling_layout, path, top, draft_len = args
+                layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
+                inputs, sampling = self._stage(layout, buffer, sampling)
+                out, self.cache, self.last_tokens, self.drafts = step.verify_step(
+                    self.params, self.cache, self.last_tokens, self.drafts, inputs, sampling, layout=layout,
+                    sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh, kernels=self.kernels,
+                    draft_len=draft_len, num_top_logprobs=top, path=path)
             elif kind == "compile":
                 self.compile(args[0])
             else:
@@ -410,7 +430,7 @@ class ModelRunner:
     def fetch(self, out: SampleOutput) -> SampleOutput:
         """A step's sampled tokens and logprobs on the host: the one place the engine waits for the device."""
         waited = time.perf_counter()
-        host = SampleOutput(*jax.device_get(tuple(out)))
+        host = type(out)(*jax.device_get(tuple(out)))
         self.device_wait_seconds += time.perf_counter() - waited
         return host
 

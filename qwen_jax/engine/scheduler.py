@@ -26,6 +26,7 @@ class Row:
     num_tokens: int
     samples: bool = False  # the row's last token produces the sequence's next token
     steps: int = 1  # decode steps this row runs in the step's program (several: each feeds the next its token)
+    drafts: int = 0  # speculative decoding: the row is its last token and this many drafts, verified in the step
     admitted: bool = False  # the sequence (re)enters the running set in this step
     restore_snapshot: int | None = None  # copy this snapshot into the seq's slot before the step
     save_snapshot: int | None = None  # copy the seq's slot into this snapshot after the step
@@ -116,12 +117,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def schedule(self, max_steps: int = 1) -> StepPlan:
+    def schedule(self, max_steps: int = 1, draft_len: int = 0) -> StepPlan:
         """The next step: every running sequence's next tokens (oldest first; one for a decoding sequence, a chunk of
         its prompt for a prefilling one) under the token budget, preempting the newest when blocks run out, then
         waiting sequences while the budget, a slot and blocks allow. The plan's progress is booked at once.
         max_steps > 1: when the step holds only decoding sequences, nothing waits and each has room for them, it runs
-        up to that many decode steps in one program (`_multi_step`)."""
+        up to that many decode steps in one program (`_multi_step`). draft_len > 0: when it holds only decoding
+        sequences that may speculate, each row becomes its last token and draft_len drafts, verified in the step
+        (`_speculate`), which the engine reads back before it plans the next."""
         budget = self.max_num_batched_tokens
         rows: list[Row] = []
         preempted: list[Sequence] = []
@@ -170,11 +173,32 @@ class Scheduler:
             row.admitted, row.restore_snapshot = True, restore
             rows.append(row)
             budget -= n
+        if draft_len and not preempted and self._speculate(rows, draft_len):
+            for row in rows:
+                row.num_tokens, row.drafts = 1 + draft_len, draft_len
+                self._book(row)
+            return StepPlan(rows, preempted)
         steps = self._multi_step(rows, max_steps) if max_steps > 1 and not preempted else 1
         for row in rows:
             row.steps = steps
             self._book(row)
         return StepPlan(rows, preempted)
+
+    def _speculate(self, rows: list[Row], draft_len: int) -> bool:
+        """Whether `rows` verify draft_len drafts each: every row is a decoding row of a running sequence whose
+        sampling does not depend on the tokens before it in the step (no penalties, no min_tokens left, no grammar),
+        the tokens fit the budget and max_model_len, and every sequence has the blocks (allocated here)."""
+        if not rows or not all(r.samples and r.num_tokens == 1 and not r.admitted for r in rows):
+            return False
+        if len(rows) * (1 + draft_len) > self.max_num_batched_tokens:
+            return False
+        for r in rows:
+            seq, params = r.seq, r.seq.params
+            if params.has_penalties or seq.num_requested < params.min_tokens or seq.grammar is not None:
+                return False
+            if self.max_model_len is not None and seq.num_computed_tokens + 1 + draft_len > self.max_model_len:
+                return False
+        return all(self._grow(r.seq, 1 + draft_len) for r in rows)
 
     def _multi_step(self, rows: list[Row], max_steps: int) -> int:
         """How many decode steps `rows` run at once: max_steps when every row is a decoding row of a running

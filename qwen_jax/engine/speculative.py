@@ -14,12 +14,39 @@ Never reads a device value back and never branches on one.
 from __future__ import annotations
 
 import functools
+import json
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from qwen_jax.engine.sampler import SamplingTensors, row_key, target_logits
+
+METHODS = ("mtp",)
+MAX_DRAFTS = 3  # the most drafts a row verifies (the verify kernels are built for up to this many)
+
+
+def num_speculative_tokens(config: dict | str | None) -> int:
+    """vLLM's speculative config, {"method": "mtp", "num_speculative_tokens": k} (a dict or its JSON text) -> k;
+    None -> 0 (no speculation). Raises ValueError naming what is wrong."""
+    if config is None:
+        return 0
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be an object, got {type(config).__name__}")
+    unknown = set(config) - {"method", "num_speculative_tokens"}
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {sorted(unknown)}")
+    if config.get("method") not in METHODS:
+        raise ValueError(f"speculative_config: method must be one of {METHODS}, got {config.get('method')!r}")
+    k = config.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS:
+        raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in 1..{MAX_DRAFTS}, got {k!r}")
+    return k
 
 
 class VerifyOutput(NamedTuple):

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, init_penalty_rows, sample
+from qwen_jax.engine.speculative import VerifyOutput, verify
 from qwen_jax.layers.batch import Ragged
 from qwen_jax.models import decoder
 from sharding import rules
@@ -189,6 +190,49 @@ def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.
     cache, _, outs = jax.lax.fori_loop(0, steps, one, (cache, tokens, outs))
     layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
     return outs, {"layers": layers}, last_tokens.at[:requests].set(outs.tokens[steps - 1])
+
+
+# ---- speculative decoding ------------------------------------------------------------------------------------------
+def pack_verify_inputs(tokens: np.ndarray, batch: Ragged, token_source: np.ndarray, draft_source: np.ndarray
+                       ) -> tuple[np.ndarray, Layout]:
+    """A verify step's packed inputs: pack_inputs' and each request's row of the drafts array [R]."""
+    return pack(dict(tokens=np.asarray(tokens, np.int32), token_source=token_source, **batch._asdict(),
+                     sample_index=sample_index(batch), draft_source=np.asarray(draft_source, np.int32)))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "kernels", "draft_len",
+                                             "num_top_logprobs", "path"),
+                   donate_argnames=("cache", "last_tokens", "drafts"), compiler_options=EXACT)
+def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.Array, buffer: jax.Array,
+                sampling: jax.Array, *, layout: Layout, sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh,
+                kernels: str, draft_len: int, num_top_logprobs: int, path: int
+                ) -> tuple[VerifyOutput, dict, jax.Array, jax.Array]:
+    """One step of speculative decoding over decoding requests, each running its last token (from the host or
+    `last_tokens`, as in `forward`) and the draft_len drafts proposed for it (row draft_source[r] of `drafts`
+    [S, draft_len]) as draft_len + 1 query tokens. Verifies the drafts (engine/speculative.py), sets every recurrent
+    state to the request's last emitted token and proposes the next drafts. Returns (VerifyOutput [R, ...] with
+    num_emitted 0 for padding requests, the cache, last_tokens with row r the request's last emitted token, drafts
+    with row r its next drafts)."""
+    tokens, batch, _ = step_batch(buffer, layout, last_tokens)
+    draft_source = unpack(buffer, layout)["draft_source"]
+    requests = batch.query_len.shape[0]
+    live = batch.query_len > 0
+    proposed = drafts[draft_source]  # [R, draft_len]
+    within = jnp.arange(draft_len + 1)[None, :]
+    at = batch.query_start[:, None] + within  # [R, draft_len + 1]: each request's tokens on the token axis
+    tokens = tokens.at[jnp.where(live[:, None], at[:, 1:], tokens.shape[0])].set(proposed, mode="drop")
+    logits, cache, pending = decoder.verify_forward(params, cache, tokens, batch, cfg,
+                                                    ops_for_mesh(cfg, mesh, kernels), draft_len)
+    logits = jax.lax.with_sharding_constraint(logits[jnp.where(live[:, None], at, 0)], replicated(mesh))
+    out = verify(logits, proposed, sampling_tensors(sampling, sampling_layout), num_top_logprobs=num_top_logprobs,
+                 path=path)
+    emitted = jnp.where(live, out.num_emitted, 0)
+    cache = decoder.commit_verified_layers(cache, pending, batch, emitted)
+    layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
+    last = out.tokens[jnp.arange(requests), jnp.maximum(emitted - 1, 0)]
+    next_drafts = jnp.broadcast_to(last[:, None], (requests, draft_len))  # the drafter: MTP (to come)
+    return (out._replace(num_emitted=emitted), {"layers": layers}, last_tokens.at[:requests].set(last),
+            drafts.at[:requests].set(next_drafts))
 
 
 # ---- the sampler ----------------------------------------------------------------------------------------------------

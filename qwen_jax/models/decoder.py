@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.batch import Ragged
-from qwen_jax.layers.gated_deltanet import gdn_layer
+from qwen_jax.layers.gated_deltanet import commit_verified, gdn_layer, gdn_layer_verify
 from qwen_jax.layers.mlp import swiglu_mlp
 from qwen_jax.layers.norms import rms_norm
 from qwen_jax.layers.ops import Ops
@@ -161,14 +161,20 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, sharding
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfig, index: int, ops: Ops
-                  ) -> tuple[jax.Array, dict]:
+def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfig, index: int, ops: Ops,
+                  draft_len: int = 0) -> tuple[jax.Array, dict]:
     """Layer `index`: token mixer (attention or Gated DeltaNet) and MLP/MoE, each pre-normed with a residual.
-    x: [T, H] on the batch's token axis. Returns (x, the layer's updated cache)."""
+    x: [T, H] on the batch's token axis. Returns (x, the layer's updated cache). draft_len > 0: the batch is
+    speculative verify rows (each request its last token and draft_len drafts, or none); a Gated DeltaNet layer then
+    leaves its slots alone and returns, instead of its cache, what commit_verified needs (an attention layer writes
+    its KV pages as usual: a rejected position's are overwritten later)."""
     h = ops.norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     if cfg.layer_types[index] == FULL_ATTENTION:
         h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()), ops.attention,
                                ops.dense)
+    elif draft_len:
+        h, c = gdn_layer_verify(h, p["mixer"], c, batch, cfg, draft_len, ops.verify_delta_rule, ops.dense,
+                                ops.verify_conv)
     else:
         h, c = gdn_layer(h, p["mixer"], c, batch, cfg, ops.delta_rule, ops.dense, ops.conv)
     x = x + h
@@ -189,7 +195,7 @@ def layer_kind(cfg: ModelConfig, index: int) -> int:
 # Each layer as a call of one jitted function per layer kind: a forward of 40 layers traces and lowers two or three
 # layers, not 40 (XLA inlines the calls; the program it compiles is the same). Lowering was most of a step's
 # compile time, and the part that holds the GIL.
-_layer = jax.jit(decoder_layer, static_argnames=("cfg", "index", "ops"))
+_layer = jax.jit(decoder_layer, static_argnames=("cfg", "index", "ops", "draft_len"))
 
 
 def logits_head(x: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
@@ -213,3 +219,27 @@ def forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: Mo
     if sample_index is not None:
         x = x[sample_index]
     return logits_head(x, params, cfg), {"layers": new_layers}
+
+
+# ---- speculative verification ----------------------------------------------------------------------------------------
+def verify_forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: ModelConfig, ops: Ops,
+                   draft_len: int) -> tuple[jax.Array, dict, list]:
+    """`forward` over speculative verify rows (each request its last token and draft_len drafts, or none), its
+    recurrent slots untouched: (float32 logits of every token [T, V], the cache with the attention layers' KV
+    written, each layer's pending (None for attention layers)). Once the accepted counts are known,
+    `commit_verified_layers` writes the recurrent states."""
+    x = params["embed"][tokens]
+    layers, pending = [], []
+    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"], strict=True)):
+        x, out = _layer(x, p, c, batch, cfg=cfg, index=layer_kind(cfg, i), ops=ops, draft_len=draft_len)
+        attention = cfg.layer_types[i] == FULL_ATTENTION
+        layers.append(out if attention else c)
+        pending.append(None if attention else out)
+    return logits_head(x, params, cfg), {"layers": layers}, pending
+
+
+def commit_verified_layers(cache: dict, pending: list, batch: Ragged, num_accepted: jax.Array) -> dict:
+    """Each verify row's recurrent state (every GDN layer) set to the one after its num_accepted [R] first tokens
+    (layers.gated_deltanet.commit_verified); attention layers as they are."""
+    return {"layers": [c if p is None else commit_verified(c, p, batch, num_accepted)
+                       for c, p in zip(cache["layers"], pending, strict=True)]}

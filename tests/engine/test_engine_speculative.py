@@ -1,0 +1,61 @@
+"""Speculative decoding in the engine (speculative_config): greedy outputs equal those without it, token for token,
+over batches, draft counts 1..3, rows that end mid-draft (EOS, stop token ids, max_tokens) and preemption; the
+recurrent states after partly rejected drafts are those of plain decoding (the outputs after them would differ
+otherwise)."""
+
+import pytest
+
+from qwen_jax import LLM, SamplingParams
+from qwen_jax.engine.speculative import num_speculative_tokens
+
+
+def greedy(max_tokens, **extra):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda k: f"k{k}")
+def speculative(request, hybrid_dir, kit):
+    k = request.param
+    return k, LLM(hybrid_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kit.ENGINE_ARGS)
+
+
+def test_greedy_outputs_equal_plain_decoding(engines, speculative, kit):
+    k, llm = speculative
+    plain = engines("hybrid")
+    prompts = [kit.prompt(n, seed=950 + n) for n in (5, 23, 40, 12)] + [kit.EOS_PROMPT]
+    params = [greedy(17, ignore_eos=True), greedy(9, ignore_eos=True), greedy(12, ignore_eos=True),
+              greedy(14, ignore_eos=True, stop_token_ids=[7]), greedy(12)]
+    expected = plain.generate(prompts, params)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [(o.finish_reason, o.stop_reason) for o in got] == [(o.finish_reason, o.stop_reason) for o in expected]
+    for one, params_one in zip(prompts, params):  # one at a time: other batch shapes, the same tokens
+        assert llm.generate([one], params_one)[0].token_ids == plain.generate([one], params_one)[0].token_ids
+    stats = llm.engine.stats()
+    assert stats["spec_verified_rows_total"] > 0 and stats["spec_drafted_tokens_total"] == k * stats["spec_verified_rows_total"]
+    assert stats["spec_accepted_tokens_total"] > 0  # some drafts were right: partly accepted rows ran
+    kit.assert_idle(llm)
+
+
+def test_preemption_under_speculation_keeps_outputs(engines, speculative, kit):
+    """Four long requests need more blocks than the cache has: some are preempted and recomputed."""
+    k, llm = speculative
+    prompts = [kit.prompt(40, seed=970 + i) for i in range(4)]
+    params = greedy(24, ignore_eos=True)
+    before = llm.engine.stats()["num_preemptions_total"]
+    got = llm.generate(prompts, params)
+    assert llm.engine.stats()["num_preemptions_total"] > before
+    assert [o.token_ids for o in got] == [o.token_ids for o in engines("hybrid").generate(prompts, params)]
+    kit.assert_idle(llm)
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"method": "ngram", "num_speculative_tokens": 2}, "method"),
+    ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 9}, "num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown"),
+    ("{not json", "JSON"),
+])
+def test_a_bad_speculative_config_is_a_clear_error(config, problem):
+    with pytest.raises(ValueError, match=problem):
+        num_speculative_tokens(config)
