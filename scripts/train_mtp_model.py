@@ -75,6 +75,8 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 VOCAB_SIZE = 248320  # the real config's embedding rows (the tokenizer's 248,077 ids, padded)
+END_ID, PAD_ID = 248046, 248044  # <|im_end|> (a chat turn's end), <|endoftext|> (pad; the base model's EOS)
+STOP_IDS = (END_ID, PAD_ID)
 IGNORE = -100
 # With --train-seconds, steps [TIMING_START, TIMING_END) are timed to size the run; the first ones are slower (CUDA
 # start-up: on an H200 step 0 took 3.8 s, later steps 0.42 s).
@@ -101,7 +103,7 @@ def model_config(size: str) -> Qwen3_5MoeTextConfig:
         linear_value_head_dim=l_dim, linear_conv_kernel_dim=4, num_experts=experts, num_experts_per_tok=top_k,
         moe_intermediate_size=inter, shared_expert_intermediate_size=shared, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False, eos_token_id=248044, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+        tie_word_embeddings=False, eos_token_id=PAD_ID, mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
         architectures=["Qwen3_5MoeForCausalLM"], attn_implementation="sdpa",
     )
 
@@ -154,10 +156,10 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
                                          add_generation_prompt=True, enable_thinking=False, return_dict=False)
 
 
-def encode_example(tokenizer, example: dict, end_id: int, max_len: int) -> tuple[list[int], int]:
+def encode_example(tokenizer, example: dict, max_len: int) -> tuple[list[int], int]:
     """(prompt + answer + <|im_end|> token ids, prompt length), cut to `max_len`."""
     prompt = prompt_ids(tokenizer, example["question"])
-    ids = prompt + tokenizer.encode(example["answer"], add_special_tokens=False) + [end_id]
+    ids = prompt + tokenizer.encode(example["answer"], add_special_tokens=False) + [END_ID]
     return ids[:max_len], len(prompt)
 
 
@@ -176,10 +178,10 @@ def batches(examples: list[tuple[list[int], int]], batch_size: int, rng: random.
             yield [examples[i] for i in chunk]
 
 
-def collate(batch: list[tuple[list[int], int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def collate(batch: list[tuple[list[int], int]], device: torch.device) -> tuple[torch.Tensor, ...]:
     """(ids [B, L] right-padded, real [B, L] bool, answer [B, L] bool: the token is part of the answer)."""
     length = max(len(ids) for ids, _ in batch)
-    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    ids = torch.full((len(batch), length), PAD_ID, dtype=torch.long)
     real = torch.zeros((len(batch), length), dtype=torch.bool)
     answer = torch.zeros_like(real)
     for row, (tokens, prompt_len) in enumerate(batch):
@@ -216,8 +218,8 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 @torch.no_grad()
-def heldout_accuracy(model: Qwen3_5MoeForCausalLM, head: MtpHead, heldout: list, batch_size: int, pad_id: int,
-                     device: torch.device, autocast: bool) -> dict:
+def heldout_accuracy(model: Qwen3_5MoeForCausalLM, head: MtpHead, heldout: list, batch_size: int, device: torch.device,
+                     autocast: bool) -> dict:
     """Top-1 accuracy of the main model (token i+1) and the head (token i+2) on the answer tokens of `heldout`, and
     both losses per token over all of its tokens."""
     model.eval()
@@ -227,7 +229,7 @@ def heldout_accuracy(model: Qwen3_5MoeForCausalLM, head: MtpHead, heldout: list,
     loss_sum = {"main": 0.0, "mtp": 0.0}
     loss_tokens = {"main": 0, "mtp": 0}
     for start in range(0, len(heldout), batch_size):
-        ids, real, answer = collate(heldout[start:start + batch_size], pad_id, device)
+        ids, real, answer = collate(heldout[start:start + batch_size], device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             main_loss, head_loss, _, main_logits, head_logits = losses(model, head, ids, real)
         for name, logits, shift, loss in (("main", main_logits, 1, main_loss), ("mtp", head_logits, 2, head_loss)):
@@ -249,12 +251,13 @@ def train(args: argparse.Namespace) -> tuple[Qwen3_5MoeForCausalLM, MtpHead, dic
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast = device.type == "cuda"  # bf16 autocast on the GPU; float32 on the CPU (tiny runs)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    if tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) != list(STOP_IDS):
+        raise ValueError(f"{args.tokenizer} is not the Qwen3.5 tokenizer: <|im_end|> and <|endoftext|> must be "
+                         f"ids {STOP_IDS}")
     data = Path(args.gsm8k)
     train_rows = read_jsonl(data / "train.jsonl")[:args.train_examples or None]
-    train_set = [encode_example(tokenizer, row, end_id, args.max_len) for row in train_rows]
-    heldout = [encode_example(tokenizer, row, end_id, args.max_len) for row in read_jsonl(data / "test.jsonl")
+    train_set = [encode_example(tokenizer, row, args.max_len) for row in train_rows]
+    heldout = [encode_example(tokenizer, row, args.max_len) for row in read_jsonl(data / "test.jsonl")
                [:args.heldout]]
 
     config = model_config("tiny" if args.tiny else "default")
@@ -288,7 +291,7 @@ def train(args: argparse.Namespace) -> tuple[Qwen3_5MoeForCausalLM, MtpHead, dic
         warmup = max(1, min(20, steps // 10))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, args.lr, warmup)
-        ids, real, _ = collate(next(stream), pad_id, device)
+        ids, real, _ = collate(next(stream), device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             main_loss, head_loss, aux, _, _ = losses(model, head, ids, real)
         loss = main_loss + args.mtp_weight * head_loss + config.router_aux_loss_coef * aux
@@ -303,8 +306,7 @@ def train(args: argparse.Namespace) -> tuple[Qwen3_5MoeForCausalLM, MtpHead, dic
         if step % args.log_every == 0 or step == steps - 1:
             print(json.dumps(point), flush=True)
         if (step + 1) % args.eval_every == 0 or step == steps - 1:
-            accuracy = {"step": step, **heldout_accuracy(model, head, heldout, args.batch_size, pad_id, device,
-                                                        autocast)}
+            accuracy = {"step": step, **heldout_accuracy(model, head, heldout, args.batch_size, device, autocast)}
             report["heldout"].append(accuracy)
             print(json.dumps({"heldout": accuracy}), flush=True)
         step += 1
@@ -325,7 +327,7 @@ def save_checkpoint(model: Qwen3_5MoeForCausalLM, head: MtpHead, out: Path, toke
     tensors.update({f"mtp.{name}": t.detach().to(torch.bfloat16).cpu().contiguous()
                     for name, t in head.state_dict().items()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    GenerationConfig(eos_token_id=[248046, 248044], pad_token_id=248044, do_sample=False).save_pretrained(out)
+    GenerationConfig(eos_token_id=list(STOP_IDS), pad_token_id=PAD_ID, do_sample=False).save_pretrained(out)
     for name in TOKENIZER_FILES:
         shutil.copyfile(Path(tokenizer_dir) / name, out / name)
     if report is not None:
@@ -352,7 +354,6 @@ def evaluate_acceptance(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, head = load_checkpoint(Path(args.eval), device)
     tokenizer = AutoTokenizer.from_pretrained(args.eval)
-    stop_ids = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")}
     rows = read_jsonl(Path(args.gsm8k) / "test.jsonl")[:args.eval_prompts]
     accepted_at = [0] * args.max_new_tokens
     drafted_at = [0] * args.max_new_tokens
@@ -360,9 +361,9 @@ def evaluate_acceptance(args: argparse.Namespace) -> dict:
     for row in rows:
         prompt = torch.tensor([prompt_ids(tokenizer, row["question"])], device=device)
         generated = model.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                   eos_token_id=sorted(stop_ids), pad_token_id=248044)[0, prompt.shape[1]:].tolist()
-        if any(t in stop_ids for t in generated):
-            generated = generated[:next(i for i, t in enumerate(generated) if t in stop_ids) + 1]
+                                   eos_token_id=list(STOP_IDS), pad_token_id=PAD_ID)[0, prompt.shape[1]:].tolist()
+        if any(t in STOP_IDS for t in generated):
+            generated = generated[:next(i for i, t in enumerate(generated) if t in STOP_IDS) + 1]
         sequence = torch.cat([prompt[0], torch.tensor(generated, device=device)])[None]
         hidden = model.model(input_ids=sequence).last_hidden_state
         drafts = head(model, hidden[:, :-1], sequence[:, 1:]).argmax(-1)[0]  # drafts[i]: token i+2
