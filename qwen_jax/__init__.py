@@ -22,12 +22,13 @@ _PUBLIC = {
     "create_engine": "qwen_jax.engine.skeleton",
     "ENGINE_ARGS": "qwen_jax.engine.core", "EngineCore": "qwen_jax.engine.core",
     "ModelNotFound": "qwen_jax.engine.model_files", "resolve_path": "qwen_jax.engine.model_files",
-    "check_structured_outputs": "qwen_jax.engine.grammar",
+    "check_structured_outputs": "qwen_jax.engine.grammar", "check_speculative_config": "qwen_jax.engine.speculative",
     "default_cache_dir": "qwen_jax.default_model", "ensure_default_model": "qwen_jax.default_model",
     "host_settings": "sharding.distributed",
 }
 # Public names that differ from the name in their module.
-_ALIASES = {"check_structured_outputs": "check", "host_settings": "settings"}
+_ALIASES = {"check_structured_outputs": "check", "host_settings": "settings",
+            "check_speculative_config": "num_speculative_tokens"}
 __all__ = list(_PUBLIC)
 
 

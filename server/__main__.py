@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps run in one program for batches of a few requests (default: 4 on a GPU, 1 "
                         "elsewhere)")
+    p.add_argument("--speculative-config", default=None,
+                   help=engine("speculative_config", 'speculative decoding as JSON, e.g. \'{"method": "mtp", '
+                                                    '"num_speculative_tokens": 2}\''))
     p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
                    help="the most logprobs per token a request may ask for, at most the sampler's "
                         f"{SamplingParams.MAX_LOGPROBS} (default: %(default)s)")
@@ -119,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
-                "load_format", "dtype", "seed", "kernels", "num_scheduler_steps", "num_hosts", "host_index",
-                "coordinator_address", "tokenizer")
+                "load_format", "dtype", "seed", "kernels", "num_scheduler_steps", "speculative_config", "num_hosts",
+                "host_index", "coordinator_address", "tokenizer")
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -135,7 +138,7 @@ class UsageError(Exception):
 def check_args(args: argparse.Namespace) -> None:
     """Resolve the model, tokenizer and chat template and check the flags, before anything loads; a problem is a
     UsageError."""
-    from qwen_jax import ModelNotFound, resolve_path
+    from qwen_jax import ModelNotFound, check_speculative_config, resolve_path
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -150,6 +153,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
     if args.chat_template is not None:
         args.chat_template = read_chat_template(args.chat_template)
+    try:
+        check_speculative_config(args.speculative_config)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("speculative_config", "--speculative-config", 1)) from None
     if not 0 <= args.max_logprobs <= SamplingParams.MAX_LOGPROBS:
         raise UsageError(f"--max-logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}] (the sampler's limit), got "
                          f"{args.max_logprobs}")

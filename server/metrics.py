@@ -73,6 +73,12 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Sequences preempted (their cache dropped, to be recomputed) for lack of KV "
                       "blocks.", s.get("num_preemptions_total", 0))
         # Where a step's time goes: blocked on the devices' results, or host work (scheduling, batches, dispatch).
+        yield counter("spec_decode_num_drafts", "Speculative decoding: rows that verified drafts.",
+                      s.get("spec_verified_rows_total", 0))
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",
+                      s.get("spec_drafted_tokens_total", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      s.get("spec_accepted_tokens_total", 0))
         yield counter("engine_steps", "Engine steps run.", s.get("steps_total", 0))
         yield counter("engine_step_seconds", "Wall time of engine steps.", s.get("step_seconds_total", 0))
         yield counter("engine_step_device_wait_seconds", "Time engine steps waited for the devices' sampled tokens.",

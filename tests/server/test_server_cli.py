@@ -67,6 +67,7 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(default_model_dir):
     (["--max-logprobs", "21"], "--max-logprobs must be in [0, 20]"),
     (["--chat-template", "no-such-template.jinja"], "is neither a file nor a Jinja template"),
     (["--tokenizer", "./no/such/dir"], "is neither a local path nor a Hugging Face hub id"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "--speculative-config: method"),
 ])
 def test_bad_flags_are_one_line(args, message):
     result = run_cli(*args, "--port", str(free_port()))
