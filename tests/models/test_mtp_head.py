@@ -21,6 +21,7 @@ import pytest
 import torch
 from checkpoint_layouts import fused_experts, language_model_layout, per_expert, save_sharded
 from safetensors.torch import load_file, save_file
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
 
 from qwen_jax import LLM, SamplingParams, create_engine
@@ -37,20 +38,26 @@ BLOCK = 8
 FP32_TOL = 1e-4
 
 
+# arch -> HF's (decoder layer, RMSNorm) classes: the MoE model's head has an MoE layer, the dense model's a dense one.
+HF_MODULES = {"qwen3_5_moe": (Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm),
+              "qwen3_5": (Qwen3_5DecoderLayer, Qwen3_5RMSNorm)}
+
+
 class TorchMTP(torch.nn.Module):
     """The MTP head from HF's own modules: fc(cat[norm_e(embed(next token)), norm_h(hidden)]) -> one full-attention
-    Qwen3.5-MoE decoder layer -> norm. Parameter names are the checkpoint's below `mtp.`."""
+    Qwen3.5 decoder layer -> norm. Parameter names are the checkpoint's below `mtp.`."""
 
-    def __init__(self, config):
+    def __init__(self, arch: str, config):
         super().__init__()
+        layer_cls, norm_cls = HF_MODULES[arch]
         h, eps = config.hidden_size, config.rms_norm_eps
         layer_config = copy.deepcopy(config)
         layer_config.layer_types = ["full_attention"] * config.num_hidden_layers
-        self.pre_fc_norm_embedding = Qwen3_5MoeRMSNorm(h, eps)
-        self.pre_fc_norm_hidden = Qwen3_5MoeRMSNorm(h, eps)
+        self.pre_fc_norm_embedding = norm_cls(h, eps)
+        self.pre_fc_norm_hidden = norm_cls(h, eps)
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
-        self.layers = torch.nn.ModuleList([Qwen3_5MoeDecoderLayer(layer_config, 0)])
-        self.norm = Qwen3_5MoeRMSNorm(h, eps)
+        self.layers = torch.nn.ModuleList([layer_cls(layer_config, 0)])
+        self.norm = norm_cls(h, eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
         """embeds, hidden: [1, T, H] of one sequence at positions 0..T-1 -> the head's normed output [1, T, H]."""
@@ -62,26 +69,40 @@ class TorchMTP(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def mtp_checkpoint(checkpoints, tmp_path_factory):
-    """The tiny float32 Qwen3.5-MoE of the parity tests plus a random MTP head, saved per-expert in one file with a
-    config declaring one MTP layer."""
-    ckpt = checkpoints("qwen3_5_moe")
-    torch.manual_seed(11)
-    head = TorchMTP(ckpt.model.config).float().eval()
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:  # modules built outside a PreTrainedModel are not initialised
-                p.normal_(0.0, 0.64 if name.endswith("mlp.gate.weight") else 0.08)  # confident routing
-    main = load_file(ckpt.dirs["float32"] + "/model.safetensors")
-    state = {**main, **per_expert({"mtp." + k: v for k, v in head.state_dict().items()})}
-    config = dict(ckpt.config_for("float32"), mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
-    directory = tmp_path_factory.mktemp("mtp_checkpoint")
-    save_file(state, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(config))
-    return SimpleNamespace(model=ckpt.model, head=head, state=state, main_state=main, config=config,
-                           dir=str(directory), cfg=from_hf_dict(config))
+def mtp_checkpoints(checkpoints, tmp_path_factory):
+    """arch -> the tiny float32 model of the parity tests plus a random MTP head, saved per-expert in one file with a
+    config declaring one MTP layer (built once per module)."""
+    made: dict[str, SimpleNamespace] = {}
+
+    def get(arch: str) -> SimpleNamespace:
+        if arch in made:
+            return made[arch]
+        ckpt = checkpoints(arch)
+        torch.manual_seed(11)
+        head = TorchMTP(arch, ckpt.model.config).float().eval()
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+                else:  # modules built outside a PreTrainedModel are not initialised
+                    p.normal_(0.0, 0.64 if name.endswith("mlp.gate.weight") else 0.08)  # confident routing
+        main = load_file(ckpt.dirs["float32"] + "/model.safetensors")
+        state = {**main, **per_expert({"mtp." + k: v for k, v in head.state_dict().items()})}
+        config = dict(ckpt.config_for("float32"), mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+        directory = tmp_path_factory.mktemp(f"mtp_{arch}")
+        save_file(state, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps(config))
+        made[arch] = SimpleNamespace(model=ckpt.model, head=head, state=state, main_state=main, config=config,
+                                     dir=str(directory), cfg=from_hf_dict(config))
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(mtp_checkpoints):
+    """The Qwen3.5-MoE one (the released checkpoints' architecture)."""
+    return mtp_checkpoints("qwen3_5_moe")
 
 
 # ---- config, params, cache ----------------------------------------------------------------------------------------
@@ -226,11 +247,14 @@ def _torch_head_outputs(ckpt, tokens: np.ndarray, next_token: int) -> tuple[np.n
     return hidden[0].numpy(), out[0].numpy(), logits[0].numpy()
 
 
-def test_mtp_forward_matches_the_torch_reference_over_a_ragged_batch_in_two_chunks(mtp_checkpoint, rel_err):
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_5"])
+def test_mtp_forward_matches_the_torch_reference_over_a_ragged_batch_in_two_chunks(arch, mtp_checkpoints, rel_err):
     """Two sequences (13 and 6 tokens) through our main model for the head's input hidden states, then the head over
     them in two ragged chunks (9 + 4 and 4 + 2 tokens): the second chunk attends to the head's own KV pages written
     by the first. Logits and outputs match the torch head run over each whole sequence."""
+    mtp_checkpoint = mtp_checkpoints(arch)
     cfg = mtp_checkpoint.cfg
+    assert cfg.mtp_is_moe == (arch == "qwen3_5_moe")
     params = load_params(cfg, SafetensorsSource(mtp_checkpoint.dir))
     ops = ops_for("reference")
     rng = np.random.default_rng(3)
