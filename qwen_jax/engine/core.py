@@ -170,11 +170,10 @@ class EngineCore:
                  sum(r.max_num_seqs for r in self.replicas), sum(r.num_tokens for r in self.replicas))
 
     def _load_params(self, source: TensorSource | None, args: dict, replica_meshes: list) -> list[dict | None]:
-        """One params pytree per replica, each made straight in its replica's shards (from `source`; None: dummy
-        weights). A checkpoint is read once:
-        each tensor is placed into every replica before the next is read. Dummy weights: every replica draws the
-        same seed, so the replicas are identical. Only replicas with devices on this host get weights here (None for
-        the others)."""
+        """One params pytree per replica, each made straight in its replica's shards, from `source` (None: dummy
+        weights). A checkpoint is read once: each tensor is placed into every replica before the next is read. Dummy
+        weights: every replica draws the same seed, so the replicas are identical. Only replicas with devices on this
+        host get weights here (None for the others)."""
         cfg = self.cfg
         local = [i for i, hosts in enumerate(self.replica_hosts) if jax.process_index() in hosts]
         params: list[dict | None] = [None] * len(replica_meshes)
