@@ -9,10 +9,11 @@ How the head runs, as read in vLLM and SGLang (the checkpoint carries no modelli
   applies the LM head to that output with no further norm, and the proposer (v1/spec_decode/llm_base_proposer.py,
   set_inputs_first_pass) hands the same tensor to the head as `target_hidden_states`.
 - fc input order: `cat([pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(hidden)])`, embedding first
-  (vLLM qwen3_5_mtp.py Qwen3_5MultiTokenPredictor.forward; SGLang qwen3_next_mtp.py the same order); `mtp.fc.weight`
-  is torch [H, 2H], so our `fc` is [2H, H] with the embedding's rows first.
+  (vLLM qwen3_5_mtp.py Qwen3_5MultiTokenPredictor.forward; SGLang qwen3_next_mtp.py Qwen3NextForCausalLMMTP.forward,
+  `torch.cat((input_embeds, hidden_states))`); `mtp.fc.weight` is torch [H, 2H], so our `fc` is [2H, H] with the
+  embedding's rows first.
 - Norms: every MTP RMSNorm (pre_fc_norm_embedding, pre_fc_norm_hidden, the layer's, `mtp.norm`) is Qwen3_5RMSNorm,
-  i.e. vLLM's GemmaRMSNorm, scaling by (1 + w) like the main layers (cfg.norm_plus_one).
+  i.e. GemmaRMSNorm in vLLM and SGLang, scaling by (1 + w) like the main layers (cfg.norm_plus_one).
 - Output: `mtp.norm` is applied to the layer's output; the LM head (shared with the main model, as is the
   embedding) reads that normed state directly, and the next draft step feeds that same normed state back in as
   its `hidden` (llm_base_proposer: for method "mtp" the model returns one tensor that is both the logits' input and
@@ -20,12 +21,13 @@ How the head runs, as read in vLLM and SGLang (the checkpoint carries no modelli
 - Positions: vLLM shifts the input ids left by one and leaves the positions unchanged ("rotate the input ids and
   leave the positions unchanged", set_inputs_first_pass): token i of the head pairs hidden state h_i (of the main
   model's token at position p_i) with the embedding of token i+1, runs at position p_i, writes its KV at p_i's
-  slot, and its logits predict the token at p_i + 2. A later draft step runs at position p + 1, p + 2, ...
-  So `batch` is the main step's own ragged batch (same positions, block tables) and `tokens` are its tokens
-  shifted by one within each request, the last one replaced by the token just sampled.
-- KV cache: the head's attention layer is an attention layer of its own (vLLM: `mtp.layers.0.self_attn`, a layer
-  index past the main model's), so it has KV pages of its own (`cache["mtp"]`), here over the same block tables as
-  the main model's attention layers.
+  slot, and its logits predict the token at p_i + 2 (not position i + 1: the head's position is its hidden
+  state's). So the first draft step's `batch` is the main step's own ragged batch (same positions, block tables)
+  and `tokens` are its tokens shifted by one within each request, the last one replaced by the token just sampled.
+  Each further draft step is one token per request at the previous step's position + 1 (vLLM: positions += 1),
+  fed the token just drafted and the previous step's output as `hidden`.
+- KV cache: the head's layer has an attention module of its own (vLLM: `mtp.layers.0.self_attn`), so it has KV
+  pages of its own (`cache["mtp"]`), here over the same block tables as the main model's attention layers.
 """
 
 from __future__ import annotations
