@@ -70,6 +70,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    # Qwen3.5's multi-token-prediction head (models/mtp.py): 0 or 1 extra full-attention layer.
+    num_mtp_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -104,6 +106,15 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return i in self.moe_layers
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_mtp_layers > 0
+
+    @property
+    def mtp_is_moe(self) -> bool:
+        """The MTP layer's MLP is the model's MoE block in a MoE model, its dense MLP otherwise."""
+        return self.num_experts > 0
 
     @property
     def jnp_dtype(self):
@@ -229,6 +240,7 @@ def from_hf_dict(config: dict) -> ModelConfig:
             shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0)) if moe else 0,
             norm_topk_prob=True,
             moe_layers=tuple(i for i in range(num_layers) if i not in mlp_only) if moe else (),
+            num_mtp_layers=_num_mtp_layers(text),
         )
     layer_types = (FULL_ATTENTION,) * num_layers
     if model_type == "qwen3_moe":
@@ -245,6 +257,18 @@ def from_hf_dict(config: dict) -> ModelConfig:
             moe_layers=tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0),
         )
     return ModelConfig(**common, layer_types=layer_types, qk_norm=model_type == "qwen3")
+
+
+def _num_mtp_layers(text: dict) -> int:
+    """MTP layers of a Qwen3.5 text config (`mtp_num_hidden_layers`; Qwen3-Next spelled it
+    `num_nextn_predict_layers`). Every released checkpoint has one; more, or a head with embeddings of its own,
+    would need a layout no checkpoint shows, so they are refused rather than guessed."""
+    count = int(text.get("mtp_num_hidden_layers", text.get("num_nextn_predict_layers")) or 0)
+    if count > 1:
+        raise ValueError(f"mtp_num_hidden_layers {count} is not supported (only 0 or 1 MTP layer)")
+    if count and text.get("mtp_use_dedicated_embeddings"):
+        raise ValueError("mtp_use_dedicated_embeddings true is not supported (the MTP head shares the embedding)")
+    return count
 
 
 def _interval_layer_types(num_layers: int, text: dict) -> list[str]:

@@ -1,5 +1,6 @@
 """Weight loading: HF safetensors directories, the native `model.pt` format, llama2.c `.bin`, and random
-(`dummy`) weights, all mapped onto the params layout of `models.decoder.param_shapes`.
+(`dummy`) weights, all mapped onto the params layout of `models.decoder.param_shapes` (the MTP head's `mtp.*`
+tensors included, which stay at the top level in every layout, as vLLM's Qwen3_5MTP.load_weights reads them).
 
 Tensors are read and placed one at a time (memory-mapped on the host, never a second full copy); every
 missing or misshapen tensor is named in the error.
@@ -7,7 +8,9 @@ missing or misshapen tensor is named in the error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -24,7 +27,11 @@ _ST_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 # Tensors of a multimodal checkpoint that the text decoder does not use.
-SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.")
+# The MTP head's tensors (mtp.fc, mtp.pre_fc_norm_*, mtp.norm, mtp.layers.0.*), under no model prefix.
+MTP_PREFIX = "mtp."
+
+log = logging.getLogger("qwen_jax")
 
 
 class WeightError(ValueError):
@@ -193,59 +200,69 @@ def weight_plan(cfg: ModelConfig, names: set[str]) -> Plan:
                   (("final_norm",), [prefix + "norm.weight"], lambda w: w)]
     if not cfg.tie_word_embeddings:
         plan.append((("lm_head",), ["lm_head.weight"], _t))
+    for i, kind in enumerate(cfg.layer_types):
+        plan += _layer_plan(cfg, f"{prefix}layers.{i}.", ("layers", i), kind, cfg.is_moe_layer(i), names)
+    if cfg.has_mtp:
+        m = MTP_PREFIX
+        plan += [(("mtp", "fc"), [m + "fc.weight"], _t),  # [H, 2H] -> [2H, H]: embedding rows first
+                 (("mtp", "pre_fc_norm_embedding"), [m + "pre_fc_norm_embedding.weight"], lambda w: w),
+                 (("mtp", "pre_fc_norm_hidden"), [m + "pre_fc_norm_hidden.weight"], lambda w: w),
+                 (("mtp", "final_norm"), [m + "norm.weight"], lambda w: w)]
+        plan += _layer_plan(cfg, m + "layers.0.", ("mtp", "layer"), FULL_ATTENTION, cfg.mtp_is_moe, names)
+    return plan
+
+
+def _layer_plan(cfg: ModelConfig, p: str, L: tuple, kind: str, moe: bool, names: set[str]) -> Plan:
+    """One decoder layer's leaves under `L` from the tensors named `p`*: its norms, mixer and MLP."""
     n, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                       cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     kd = nk * dk
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"{prefix}layers.{i}."
-        L = ("layers", i)
-        plan += [(L + ("input_norm",), [p + "input_layernorm.weight"], lambda w: w),
-                 (L + ("post_norm",), [p + "post_attention_layernorm.weight"], lambda w: w)]
-        m = L + ("mixer",)
-        if kind == FULL_ATTENTION:
-            a = p + "self_attn."
-            if cfg.attn_output_gate:  # q_proj rows are [head][query d | gate d]
-                for name, half in (("q", 0), ("gate", 1)):
-                    plan.append((m + (name,), [a + "q_proj.weight"],
-                                 lambda w, half=half: w.reshape(n, 2, d, -1)[:, half].transpose(2, 0, 1)))
-            else:
-                plan.append((m + ("q",), [a + "q_proj.weight"], _heads_in(n, d)))
-            plan += [(m + ("k",), [a + "k_proj.weight"], _heads_in(kv, d)),
-                     (m + ("v",), [a + "v_proj.weight"], _heads_in(kv, d)),
-                     (m + ("o",), [a + "o_proj.weight"], _heads_out(n, d))]
-            if cfg.qk_norm:
-                plan += [(m + ("q_norm",), [a + "q_norm.weight"], lambda w: w),
-                         (m + ("k_norm",), [a + "k_norm.weight"], lambda w: w)]
-            if cfg.attention_bias:
-                plan += [(m + ("q_bias",), [a + "q_proj.bias"], lambda w: w.reshape(n, d)),
-                         (m + ("k_bias",), [a + "k_proj.bias"], lambda w: w.reshape(kv, d)),
-                         (m + ("v_bias",), [a + "v_proj.bias"], lambda w: w.reshape(kv, d)),
-                         (m + ("o_bias",), [a + "o_proj.bias"], lambda w: w)]
+    plan: Plan = [(L + ("input_norm",), [p + "input_layernorm.weight"], lambda w: w),
+                  (L + ("post_norm",), [p + "post_attention_layernorm.weight"], lambda w: w)]
+    m = L + ("mixer",)
+    if kind == FULL_ATTENTION:
+        a = p + "self_attn."
+        if cfg.attn_output_gate:  # q_proj rows are [head][query d | gate d]
+            for name, half in (("q", 0), ("gate", 1)):
+                plan.append((m + (name,), [a + "q_proj.weight"],
+                             lambda w, half=half: w.reshape(n, 2, d, -1)[:, half].transpose(2, 0, 1)))
         else:
-            g = p + "linear_attn."
-            qkv, conv = g + "in_proj_qkv.weight", g + "conv1d.weight"  # rows/channels: [q | k | v]
-            plan += [
-                (m + ("q",), [qkv], lambda w: _heads_in(nk, dk)(w[:kd])),
-                (m + ("k",), [qkv], lambda w: _heads_in(nk, dk)(w[kd:2 * kd])),
-                (m + ("v",), [qkv], lambda w: _heads_in(nv, dv)(w[2 * kd:])),
-                (m + ("z",), [g + "in_proj_z.weight"], _heads_in(nv, dv)),
-                (m + ("b",), [g + "in_proj_b.weight"], _t),
-                (m + ("a",), [g + "in_proj_a.weight"], _t),
-                (m + ("conv_q",), [conv], lambda w: w.reshape(w.shape[0], -1)[:kd].T.reshape(-1, nk, dk)),
-                (m + ("conv_k",), [conv], lambda w: w.reshape(w.shape[0], -1)[kd:2 * kd].T.reshape(-1, nk, dk)),
-                (m + ("conv_v",), [conv], lambda w: w.reshape(w.shape[0], -1)[2 * kd:].T.reshape(-1, nv, dv)),
-                (m + ("A_log",), [g + "A_log"], lambda w: w),
-                (m + ("dt_bias",), [g + "dt_bias"], lambda w: w),
-                (m + ("norm",), [g + "norm.weight"], lambda w: w),
-                (m + ("out",), [g + "out_proj.weight"], _heads_out(nv, dv)),
-            ]
-        plan += _mlp_plan(cfg, i, p + "mlp.", L + ("mlp",), names)
-    return plan
+            plan.append((m + ("q",), [a + "q_proj.weight"], _heads_in(n, d)))
+        plan += [(m + ("k",), [a + "k_proj.weight"], _heads_in(kv, d)),
+                 (m + ("v",), [a + "v_proj.weight"], _heads_in(kv, d)),
+                 (m + ("o",), [a + "o_proj.weight"], _heads_out(n, d))]
+        if cfg.qk_norm:
+            plan += [(m + ("q_norm",), [a + "q_norm.weight"], lambda w: w),
+                     (m + ("k_norm",), [a + "k_norm.weight"], lambda w: w)]
+        if cfg.attention_bias:
+            plan += [(m + ("q_bias",), [a + "q_proj.bias"], lambda w: w.reshape(n, d)),
+                     (m + ("k_bias",), [a + "k_proj.bias"], lambda w: w.reshape(kv, d)),
+                     (m + ("v_bias",), [a + "v_proj.bias"], lambda w: w.reshape(kv, d)),
+                     (m + ("o_bias",), [a + "o_proj.bias"], lambda w: w)]
+    else:
+        g = p + "linear_attn."
+        qkv, conv = g + "in_proj_qkv.weight", g + "conv1d.weight"  # rows/channels: [q | k | v]
+        plan += [
+            (m + ("q",), [qkv], lambda w: _heads_in(nk, dk)(w[:kd])),
+            (m + ("k",), [qkv], lambda w: _heads_in(nk, dk)(w[kd:2 * kd])),
+            (m + ("v",), [qkv], lambda w: _heads_in(nv, dv)(w[2 * kd:])),
+            (m + ("z",), [g + "in_proj_z.weight"], _heads_in(nv, dv)),
+            (m + ("b",), [g + "in_proj_b.weight"], _t),
+            (m + ("a",), [g + "in_proj_a.weight"], _t),
+            (m + ("conv_q",), [conv], lambda w: w.reshape(w.shape[0], -1)[:kd].T.reshape(-1, nk, dk)),
+            (m + ("conv_k",), [conv], lambda w: w.reshape(w.shape[0], -1)[kd:2 * kd].T.reshape(-1, nk, dk)),
+            (m + ("conv_v",), [conv], lambda w: w.reshape(w.shape[0], -1)[2 * kd:].T.reshape(-1, nv, dv)),
+            (m + ("A_log",), [g + "A_log"], lambda w: w),
+            (m + ("dt_bias",), [g + "dt_bias"], lambda w: w),
+            (m + ("norm",), [g + "norm.weight"], lambda w: w),
+            (m + ("out",), [g + "out_proj.weight"], _heads_out(nv, dv)),
+        ]
+    return plan + _mlp_plan(cfg, moe, p + "mlp.", L + ("mlp",), names)
 
 
-def _mlp_plan(cfg: ModelConfig, i: int, p: str, m: tuple, names: set[str]) -> Plan:
-    if not cfg.is_moe_layer(i):
+def _mlp_plan(cfg: ModelConfig, moe: bool, p: str, m: tuple, names: set[str]) -> Plan:
+    if not moe:
         return [(m + ("w_gate",), [p + "gate_proj.weight"], _t), (m + ("w_up",), [p + "up_proj.weight"], _t),
                 (m + ("w_down",), [p + "down_proj.weight"], _t)]
     e, inter = cfg.num_experts, cfg.moe_intermediate_size
@@ -322,6 +339,17 @@ def load_params(cfg: ModelConfig, source: TensorSource, place: Callable | None =
     for path, value in items:
         _set(tree, path, place(path, value))
     return tree
+
+
+def resolve_mtp(cfg: ModelConfig, source: TensorSource) -> ModelConfig:
+    """The config a checkpoint's tensors serve: one whose config.json declares an MTP head but whose files hold no
+    mtp.* tensor (a copy saved without the head) is served without it (num_mtp_layers 0, logged), so params and
+    cache have no `mtp` subtree. A head with only some of its tensors fails in load_params, naming them."""
+    if cfg.has_mtp and not any(name.startswith(MTP_PREFIX) for name in source.names()):
+        log.warning("config.json declares %d MTP layer(s) but the checkpoint has no %s* tensors: serving without "
+                    "the MTP head", cfg.num_mtp_layers, MTP_PREFIX)
+        return dataclasses.replace(cfg, num_mtp_layers=0)
+    return cfg
 
 
 def open_checkpoint(path: str) -> tuple[dict, TensorSource]:

@@ -66,26 +66,40 @@ GDN_CACHE = {
 }
 
 
+# The MTP head's own leaves (its layer is a full-attention layer, under the LAYER/ATTENTION/MLP rules above); fc
+# [2H, H] is small (16 MB at 35B-A3B) and stays whole on every device.
+MTP = {"fc": (None, "hidden"), "pre_fc_norm_embedding": _NORM, "pre_fc_norm_hidden": _NORM, "final_norm": _NORM}
+
+
 def _key(entry) -> str | int:
     return getattr(entry, "key", getattr(entry, "idx", entry))
+
+
+def _layer_logical_axes(mixer: str, moe: bool, path: tuple) -> tuple[str | None, ...]:
+    """A decoder layer's param at `path` (its keys below the layer, e.g. ("mixer", "q"))."""
+    if path[0] in LAYER:
+        return LAYER[path[0]]
+    if path[0] == "mixer":
+        return (ATTENTION if mixer == FULL_ATTENTION else GDN)[path[1]]
+    return (MOE if moe else DENSE_MLP)[path[1]]
 
 
 def param_logical_axes(cfg: ModelConfig, path: tuple) -> tuple[str | None, ...]:
     """Logical axes of the param at `path` (keys as in decoder.param_shapes, e.g. ("layers", 3, "mixer", "q"))."""
     path = tuple(_key(k) for k in path)
-    if path[0] != "layers":
-        return TOP_LEVEL[path[0]]
-    layer, group = path[1], path[2]
-    if group in LAYER:
-        return LAYER[group]
-    if group == "mixer":
-        return (ATTENTION if cfg.layer_types[layer] == FULL_ATTENTION else GDN)[path[3]]
-    return (MOE if cfg.is_moe_layer(layer) else DENSE_MLP)[path[3]]
+    if path[0] == "layers":
+        return _layer_logical_axes(cfg.layer_types[path[1]], cfg.is_moe_layer(path[1]), path[2:])
+    if path[0] == "mtp":
+        return _layer_logical_axes(FULL_ATTENTION, cfg.mtp_is_moe, path[2:]) if path[1] == "layer" else MTP[path[1]]
+    return TOP_LEVEL[path[0]]
 
 
 def cache_logical_axes(cfg: ModelConfig, path: tuple) -> tuple[str | None, ...]:
-    layer, name = _key(path[1]), _key(path[2])
-    return (ATTENTION_CACHE if cfg.layer_types[layer] == FULL_ATTENTION else GDN_CACHE)[name]
+    """Logical axes of the cache leaf at `path`: ("layers", i, name) or ("mtp", name), the head's KV pages."""
+    path = tuple(_key(k) for k in path)
+    if path[0] == "mtp":
+        return ATTENTION_CACHE[path[1]]
+    return (ATTENTION_CACHE if cfg.layer_types[path[1]] == FULL_ATTENTION else GDN_CACHE)[path[2]]
 
 
 def logical_to_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
@@ -141,11 +155,20 @@ def init_cache(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, n
     return jax.jit(lambda: decoder.init_cache(cfg, num_blocks, block_size, num_slots), out_shardings=shardings)()
 
 
+def _constrained(cfg: ModelConfig, mesh: Mesh, path: tuple, value: jax.Array) -> jax.Array:
+    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, logical_to_spec(
+        cache_logical_axes(cfg, path), value.shape, mesh)))
+
+
 def constrain_cache_layer(cfg: ModelConfig, mesh: Mesh, index: int, layer: dict) -> dict:
     """Inside a jitted program: pin layer `index`'s cache entries (KV pages or GDN state, any number of pages or
     slots, e.g. prefix-cache snapshots) to their rules' shardings, so a donated cache comes back in its own shards."""
-    return {name: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, logical_to_spec(
-        cache_logical_axes(cfg, ("layers", index, name)), v.shape, mesh))) for name, v in layer.items()}
+    return {name: _constrained(cfg, mesh, ("layers", index, name), v) for name, v in layer.items()}
+
+
+def constrain_cache(cfg: ModelConfig, mesh: Mesh, cache: dict) -> dict:
+    """`constrain_cache_layer` over a whole cache (every layer, and the MTP head's pages when it has them)."""
+    return jax.tree_util.tree_map_with_path(lambda path, v: _constrained(cfg, mesh, path, v), cache)
 
 
 def cache_bytes_per_device(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> int:

@@ -28,7 +28,7 @@ from qwen_jax.engine.speculative import VerifyOutput
 from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
-from qwen_jax.weights import dummy_params, load_params, open_checkpoint
+from qwen_jax.weights import TensorSource, dummy_params, load_params, open_checkpoint, resolve_mtp
 from sharding import distributed, mesh, rules
 from sharding.ops import ops_for_mesh
 
@@ -130,7 +130,9 @@ class EngineCore:
         log.info("hot ops: %s (kernels=%s)", "the GPU kernels of pallas_kernels/" if kernels == "gpu" else
                  "the jnp references", args["kernels"])
         args["kernels"] = kernels  # what every replica compiles
-        cfg = self.cfg = read_model_config(model_path, args["dtype"])
+        cfg = read_model_config(model_path, args["dtype"])
+        source = None if args["load_format"] == "dummy" else open_checkpoint(model_path)[1]
+        cfg = self.cfg = cfg if source is None else resolve_mtp(cfg, source)
         # a head layout the partitioned ops cannot split fails here, not mid-step
         ops_for_mesh(cfg, replica_meshes[0], kernels)
         tokenizer = load_tokenizer(args["tokenizer"] or model_path)
@@ -138,7 +140,7 @@ class EngineCore:
         self.grammars = grammar.GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
         t0 = time.perf_counter()
-        replica_params = self._load_params(args, replica_meshes)
+        replica_params = self._load_params(source, args, replica_meshes)
         jax.block_until_ready(replica_params)
         self.load_seconds = time.perf_counter() - t0
         # Distinct sampling seeds per replica (seed * dp + i): unseeded rows of two replicas draw different numbers.
@@ -175,21 +177,21 @@ class EngineCore:
                  model_path, self.load_seconds, "; ".join(r.describe() for r in self.replicas), dp,
                  sum(r.max_num_seqs for r in self.replicas), sum(r.num_tokens for r in self.replicas))
 
-    def _load_params(self, args: dict, replica_meshes: list) -> list[dict | None]:
-        """One params pytree per replica, each made straight in its replica's shards. A checkpoint is read once:
-        each tensor is placed into every replica before the next is read. Dummy weights: every replica draws the
-        same seed, so the replicas are identical. Only replicas with devices on this host get weights here (None for
-        the others)."""
+    def _load_params(self, source: TensorSource | None, args: dict, replica_meshes: list) -> list[dict | None]:
+        """One params pytree per replica, each made straight in its replica's shards, from `source` (None: dummy
+        weights). A checkpoint is read once: each tensor is placed into every replica before the next is read. Dummy
+        weights: every replica draws the same seed, so the replicas are identical. Only replicas with devices on this
+        host get weights here (None for the others)."""
         cfg = self.cfg
         local = [i for i, hosts in enumerate(self.replica_hosts) if jax.process_index() in hosts]
         params: list[dict | None] = [None] * len(replica_meshes)
-        if args["load_format"] == "dummy":  # only config.json is needed (no weights on disk)
+        if source is None:  # dummy weights: only config.json is needed (no weights on disk)
             for i in local:
                 params[i] = dummy_params(cfg, seed=args["seed"],
                                          shardings=rules.param_shardings(cfg, replica_meshes[i]))
             return params
         places = [rules.make_place(cfg, replica_meshes[i]) for i in local]
-        copies = load_params(cfg, open_checkpoint(self.model_path)[1],
+        copies = load_params(cfg, source,
                              place=lambda path, array: tuple(place(path, array) for place in places),
                              progress=os.environ.get("QWEN_JAX_PROGRESS", "1") == "1")
         for n, i in enumerate(local):

@@ -32,6 +32,7 @@ from qwen_jax.weights import (
     load_params,
     open_checkpoint,
     read_llama2c,
+    resolve_mtp,
 )
 from sharding import rules
 from sharding.mesh import make_mesh
@@ -267,5 +268,6 @@ def create_engine(model_config: dict | None, weight_dir: str, device: str = "cud
     'auto'). `engine_kwargs`: max_num_seqs, max_model_len, block_size, max_num_batched_tokens, kernels."""
     jax_device = _resolve_device(device)
     cfg, source = _open_weights(model_config, weight_dir)
+    cfg = resolve_mtp(cfg, source)
     params = load_params(cfg, source, place=lambda path, a: jax.device_put(a, jax_device))
     return Engine(cfg, params, jax_device, **engine_kwargs)

@@ -149,8 +149,7 @@ def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array
     tokens, batch, sample_index = step_batch(buffer, layout, last_tokens)
     logits, cache = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh, kernels),
                                    sample_index)
-    layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
-    return jax.lax.with_sharding_constraint(logits, replicated(mesh)), {"layers": layers}
+    return jax.lax.with_sharding_constraint(logits, replicated(mesh)), rules.constrain_cache(cfg, mesh, cache)
 
 
 # ---- several decode steps in one program -----------------------------------------------------------------------------
@@ -188,8 +187,7 @@ def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.
                         jnp.zeros((steps, requests, num_top_logprobs), jnp.int32),
                         jnp.zeros((steps, requests, num_top_logprobs), jnp.float32))
     cache, _, outs = jax.lax.fori_loop(0, steps, one, (cache, tokens, outs))
-    layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
-    return outs, {"layers": layers}, last_tokens.at[:requests].set(outs.tokens[steps - 1])
+    return outs, rules.constrain_cache(cfg, mesh, cache), last_tokens.at[:requests].set(outs.tokens[steps - 1])
 
 
 # ---- speculative decoding ------------------------------------------------------------------------------------------
@@ -274,7 +272,7 @@ def restore_snapshots(cache: dict, snapshots: list, src: jax.Array, dst: jax.Arr
     for i, snap in zip(gdn_indices(cfg), snapshots, strict=True):
         layers[i] = rules.constrain_cache_layer(
             cfg, mesh, i, {k: v.at[dst].set(snap[k][src]) for k, v in layers[i].items()})
-    return {"layers": layers}
+    return {**cache, "layers": layers}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("snapshots",))

@@ -4,7 +4,9 @@ functions over an explicit params pytree and cache pytree.
 A step's tokens lie on one flat token axis (qwen_jax.layers.batch.Ragged: decode rows and prefill chunks alike).
 Layout of `params` (JAX convention, weights are [in, out]):
     embed [V, H], final_norm [H], lm_head [H, V] (absent when tied),
-    layers[i] = {input_norm [H], post_norm [H], mixer: attention or gdn dict, mlp: dense or moe dict}
+    layers[i] = {input_norm [H], post_norm [H], mixer: attention or gdn dict, mlp: dense or moe dict},
+    mtp (when cfg.has_mtp) = {fc [2H, H], pre_fc_norm_embedding [H], pre_fc_norm_hidden [H], final_norm [H],
+                              layer: a full-attention layer with the model's MLP kind} (models/mtp.py runs it).
 `param_shapes` is the single source of truth for names and shapes: loaders, random init and sharding rules
 all follow it. This module never touches devices or files.
 """
@@ -47,9 +49,9 @@ def _gdn_shapes(cfg: ModelConfig) -> dict:
     }
 
 
-def _mlp_shapes(cfg: ModelConfig, layer: int) -> dict:
+def _mlp_shapes(cfg: ModelConfig, moe: bool) -> dict:
     h = cfg.hidden_size
-    if not cfg.is_moe_layer(layer):
+    if not moe:
         i = cfg.intermediate_size
         return {"w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
     e, i = cfg.num_experts, cfg.moe_intermediate_size
@@ -72,37 +74,40 @@ def param_shapes(cfg: ModelConfig) -> dict:
         return {k: jax.ShapeDtypeStruct(v, F32 if k in FLOAT32_PARAMS else dtype) for k, v in tree.items()}
 
     h = cfg.hidden_size
-    layers = []
-    for i, kind in enumerate(cfg.layer_types):
-        mixer = _attention_shapes(cfg) if kind == FULL_ATTENTION else _gdn_shapes(cfg)
-        layers.append({
-            "input_norm": jax.ShapeDtypeStruct((h,), dtype),
-            "post_norm": jax.ShapeDtypeStruct((h,), dtype),
-            "mixer": spec(mixer),
-            "mlp": spec(_mlp_shapes(cfg, i)),
-        })
+    norm = jax.ShapeDtypeStruct((h,), dtype)
+
+    def layer(mixer: str, moe: bool) -> dict:
+        shapes = _attention_shapes(cfg) if mixer == FULL_ATTENTION else _gdn_shapes(cfg)
+        return {"input_norm": norm, "post_norm": norm, "mixer": spec(shapes), "mlp": spec(_mlp_shapes(cfg, moe))}
+
     tree = {
         "embed": jax.ShapeDtypeStruct((cfg.vocab_size, h), dtype),
-        "final_norm": jax.ShapeDtypeStruct((h,), dtype),
-        "layers": layers,
+        "final_norm": norm,
+        "layers": [layer(kind, cfg.is_moe_layer(i)) for i, kind in enumerate(cfg.layer_types)],
     }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = jax.ShapeDtypeStruct((h, cfg.vocab_size), dtype)
+    if cfg.has_mtp:
+        tree["mtp"] = {"fc": jax.ShapeDtypeStruct((2 * h, h), dtype), "pre_fc_norm_embedding": norm,
+                       "pre_fc_norm_hidden": norm, "final_norm": norm, "layer": layer(FULL_ATTENTION, cfg.mtp_is_moe)}
     return tree
 
 
 def cache_shapes(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int) -> dict:
     """KV pages for attention layers (block 0 is a write sink for padding) and recurrent-state slots for
-    Gated DeltaNet layers (slot 0 likewise): conv inputs in the model dtype, the delta-rule state in float32."""
+    Gated DeltaNet layers (slot 0 likewise): conv inputs in the model dtype, the delta-rule state in float32.
+    A model with an MTP head has KV pages of its own for the head's attention layer (`mtp`), paged by the same block
+    tables as the main model's."""
     dtype = cfg.jnp_dtype
     kv = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     k1 = cfg.linear_conv_kernel_dim - 1
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    pages = {"k": jax.ShapeDtypeStruct(kv, dtype), "v": jax.ShapeDtypeStruct(kv, dtype)}
     layers = []
     for kind in cfg.layer_types:
         if kind == FULL_ATTENTION:
-            layers.append({"k": jax.ShapeDtypeStruct(kv, dtype), "v": jax.ShapeDtypeStruct(kv, dtype)})
+            layers.append(dict(pages))
         else:
             layers.append({
                 "conv_q": jax.ShapeDtypeStruct((num_slots, k1, nk, dk), dtype),
@@ -110,7 +115,7 @@ def cache_shapes(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: 
                 "conv_v": jax.ShapeDtypeStruct((num_slots, k1, nv, dv), dtype),
                 "ssm": jax.ShapeDtypeStruct((num_slots, nv, dk, dv), F32),
             })
-    return {"layers": layers}
+    return {"layers": layers, "mtp": dict(pages)} if cfg.has_mtp else {"layers": layers}
 
 
 def init_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int) -> dict:
@@ -149,7 +154,8 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, sharding
     out = []
     for idx, ((path, s), sharding) in enumerate(zip(leaves, placement)):
         name = str(path[-1].key)
-        if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm"):
+        if name in ("input_norm", "post_norm", "final_norm", "q_norm", "k_norm", "pre_fc_norm_embedding",
+                    "pre_fc_norm_hidden"):
             kind = "zeros" if cfg.norm_plus_one else "ones"
         elif name in ("norm", "dt_bias"):
             kind = "ones"
@@ -161,15 +167,16 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, sharding
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfig, index: int, ops: Ops,
+def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfig, mixer: str, moe: bool, ops: Ops,
                   draft_len: int = 0) -> tuple[jax.Array, dict]:
-    """Layer `index`: token mixer (attention or Gated DeltaNet) and MLP/MoE, each pre-normed with a residual.
-    x: [T, H] on the batch's token axis. Returns (x, the layer's updated cache). draft_len > 0: the batch is
-    speculative verify rows (each request its last token and draft_len drafts, or none); a Gated DeltaNet layer then
-    leaves its slots alone and returns, instead of its cache, what commit_verified needs (an attention layer writes
-    its KV pages as usual: a rejected position's are overwritten later)."""
+    """One layer: token mixer (`mixer`: attention or Gated DeltaNet) and MLP (`moe`: the sparse MoE, else the dense
+    SwiGLU), each pre-normed with a residual. x: [T, H] on the batch's token axis. Returns (x, the layer's updated
+    cache). draft_len > 0: the batch is speculative verify rows (each request its last token and draft_len drafts,
+    or none); a Gated DeltaNet layer then leaves its slots alone and returns, instead of its cache, what
+    commit_verified needs (an attention layer writes its KV pages as usual: a rejected position's are overwritten
+    later)."""
     h = ops.norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-    if cfg.layer_types[index] == FULL_ATTENTION:
+    if mixer == FULL_ATTENTION:
         h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()), ops.attention,
                                ops.dense)
     elif draft_len:
@@ -179,67 +186,75 @@ def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfi
         h, c = gdn_layer(h, p["mixer"], c, batch, cfg, ops.delta_rule, ops.dense, ops.conv)
     x = x + h
     h = ops.norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-    if cfg.is_moe_layer(index):
+    if moe:
         h = ops.moe(h, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob, batch.token_valid)
     else:
         h = swiglu_mlp(h, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"], ops.dense)
     return x + h, c
 
 
-def layer_kind(cfg: ModelConfig, index: int) -> int:
-    """The first layer of the same kind (mixer, MoE or dense MLP) as layer `index`: it stands for all of them."""
-    kind = (cfg.layer_types[index], cfg.is_moe_layer(index))
-    return next(j for j in range(cfg.num_layers) if (cfg.layer_types[j], cfg.is_moe_layer(j)) == kind)
+# Each layer as a call of one jitted function per layer kind (mixer, MLP): a forward of 40 layers traces and lowers
+# two or three layers, not 40 (XLA inlines the calls; the program it compiles is the same). Lowering was most of a
+# step's compile time, and the part that holds the GIL.
+layer_call = jax.jit(decoder_layer, static_argnames=("cfg", "mixer", "moe", "ops", "draft_len"))
 
 
-# Each layer as a call of one jitted function per layer kind: a forward of 40 layers traces and lowers two or three
-# layers, not 40 (XLA inlines the calls; the program it compiles is the same). Lowering was most of a step's
-# compile time, and the part that holds the GIL.
-_layer = jax.jit(decoder_layer, static_argnames=("cfg", "index", "ops", "draft_len"))
-
-
-def logits_head(x: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
-    """Final norm and LM head: x [N, H] -> float32 logits [N, V]."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+def lm_head(x: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
+    """The LM head alone (input already normed): x [N, H] -> float32 logits [N, V]."""
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.matmul(x, head, preferred_element_type=F32)
 
 
+def logits_head(x: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
+    """Final norm and LM head: x [N, H] -> float32 logits [N, V]."""
+    return lm_head(rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one), params, cfg)
+
+
 def forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: ModelConfig, ops: Ops,
-            sample_index: jax.Array | None = None) -> tuple[jax.Array, dict]:
+            sample_index: jax.Array | None = None, return_hidden: bool = False
+            ) -> tuple[jax.Array, dict] | tuple[jax.Array, dict, jax.Array]:
     """Run a step's new tokens [T] (the flat ragged batch `batch`) through the model, reading and updating the
     cache entries of its requests. Returns (float32 logits of the tokens `sample_index` [N] -> [N, V], or of every
-    token [T, V] when None; the new cache). `ops`: the hot ops (layers/ops.py; sharding/ops.py partitions them for a
-    mesh). The engine's step program (engine/step.py) is this, jitted."""
+    token [T, V] when None; the new cache), and with `return_hidden` also every token's hidden state after the final
+    norm [T, H] (what the LM head reads, and the MTP head's input: models/mtp.py). `ops`: the hot ops (layers/ops.py;
+    sharding/ops.py partitions them for a mesh). The engine's step program (engine/step.py) is this, jitted. The
+    MTP head's cache entry, if any, passes through untouched."""
     x = params["embed"][tokens]
     new_layers = []
     for i, (p, c) in enumerate(zip(params["layers"], cache["layers"], strict=True)):
-        x, c = _layer(x, p, c, batch, cfg=cfg, index=layer_kind(cfg, i), ops=ops)
+        x, c = layer_call(x, p, c, batch, cfg=cfg, mixer=cfg.layer_types[i], moe=cfg.is_moe_layer(i), ops=ops)
         new_layers.append(c)
+    cache = {**cache, "layers": new_layers}
+    if return_hidden:
+        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+        return lm_head(hidden if sample_index is None else hidden[sample_index], params, cfg), cache, hidden
     if sample_index is not None:
         x = x[sample_index]
-    return logits_head(x, params, cfg), {"layers": new_layers}
+    return logits_head(x, params, cfg), cache
 
 
 # ---- speculative verification ----------------------------------------------------------------------------------------
 def verify_forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: ModelConfig, ops: Ops,
-                   draft_len: int) -> tuple[jax.Array, dict, list]:
+                   draft_len: int) -> tuple[jax.Array, dict, jax.Array, list]:
     """`forward` over speculative verify rows (each request its last token and draft_len drafts, or none), its
     recurrent slots untouched: (float32 logits of every token [T, V], the cache with the attention layers' KV
-    written, each layer's pending (None for attention layers)). Once the accepted counts are known,
-    `commit_verified_layers` writes the recurrent states."""
+    written, every token's hidden state after the final norm [T, H] (the MTP head's input), each layer's pending
+    (None for attention layers)). Once the accepted counts are known, `commit_verified_layers` writes the recurrent
+    states."""
     x = params["embed"][tokens]
     layers, pending = [], []
     for i, (p, c) in enumerate(zip(params["layers"], cache["layers"], strict=True)):
-        x, out = _layer(x, p, c, batch, cfg=cfg, index=layer_kind(cfg, i), ops=ops, draft_len=draft_len)
+        x, out = layer_call(x, p, c, batch, cfg=cfg, mixer=cfg.layer_types[i], moe=cfg.is_moe_layer(i), ops=ops,
+                            draft_len=draft_len)
         attention = cfg.layer_types[i] == FULL_ATTENTION
         layers.append(out if attention else c)
         pending.append(None if attention else out)
-    return logits_head(x, params, cfg), {"layers": layers}, pending
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
+    return lm_head(hidden, params, cfg), {**cache, "layers": layers}, hidden, pending
 
 
 def commit_verified_layers(cache: dict, pending: list, batch: Ragged, num_accepted: jax.Array) -> dict:
     """Each verify row's recurrent state (every GDN layer) set to the one after its num_accepted [R] first tokens
-    (layers.gated_deltanet.commit_verified); attention layers as they are."""
-    return {"layers": [c if p is None else commit_verified(c, p, batch, num_accepted)
-                       for c, p in zip(cache["layers"], pending, strict=True)]}
+    (layers.gated_deltanet.commit_verified); attention layers (and the MTP head's pages) as they are."""
+    return {**cache, "layers": [c if p is None else commit_verified(c, p, batch, num_accepted)
+                                for c, p in zip(cache["layers"], pending, strict=True)]}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from checkpoint_layouts import fused_experts, language_model_layout
 from safetensors.torch import load_file, save_file
 
 from qwen_jax import create_engine
@@ -105,28 +106,11 @@ def test_prompt_longer_than_one_gdn_chunk_matches_hf(checkpoints, hf_reference, 
 
 
 def _prefixed_with_extras(state: dict) -> dict:
-    """The multimodal checkpoint layout: decoder under model.language_model., plus vision and MTP tensors."""
-    out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
+    """The multimodal checkpoint layout, plus vision tensors and stray MTP tensors (the config has no MTP head)."""
+    out = language_model_layout(state)
     out["model.visual.patch_embed.proj.weight"] = torch.randn(3, 5)
     out["mtp.layers.0.mlp.gate.weight"] = torch.randn(8, 64)
     out["mtp.fc.weight"] = torch.randn(7)
-    return out
-
-
-def _fused_experts(state: dict) -> dict:
-    """Fused experts as the HF modules hold them: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
-    out, experts = {}, {}
-    for name, value in state.items():
-        parts = name.split(".")
-        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
-            i = parts.index("experts")
-            experts.setdefault(".".join(parts[:i + 1]), {}).setdefault(parts[i + 2], {})[int(parts[i + 1])] = value
-        else:
-            out[name] = value
-    for prefix, proj in experts.items():
-        stacked = {kind: torch.stack([per[e] for e in sorted(per)]) for kind, per in proj.items()}
-        out[prefix + ".gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1).contiguous()
-        out[prefix + ".down_proj"] = stacked["down_proj"].contiguous()
     return out
 
 
@@ -135,7 +119,7 @@ def test_checkpoint_layouts_load_to_the_same_logits(layout, checkpoints, hf_refe
     ckpt = checkpoints("qwen3_5_moe")
     state = load_file(ckpt.dirs["float32"] + "/model.safetensors")
     assert any(".experts.0.gate_proj.weight" in k for k in state), "save_pretrained layout changed"
-    state = _prefixed_with_extras(state) if layout.startswith("language_model") else _fused_experts(state)
+    state = _prefixed_with_extras(state) if layout.startswith("language_model") else fused_experts(state)
     save_file(state, str(tmp_path / "model.safetensors"))
     engine = create_engine(ckpt.config_for("float32"), str(tmp_path), device="cpu", **ENGINE_KWARGS)
     ref = hf_reference(ckpt.model)

@@ -42,7 +42,8 @@ def test_real_35b_a3b_specs_at_8_devices(expert_parallel):
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     per_device = sum(s.size * s.dtype.itemsize / rules.num_shards(spec, m)
                      for s, spec in zip(leaves, spec_leaves, strict=True))
-    assert 1 / 8 <= per_device / total < 1.01 / 8  # about 8 GiB of the 64.6 GiB bf16 weights per device
+    # about 8.4 GiB of the 66.1 GiB bf16 weights per device (the MTP head's included: its 16 MB fc is replicated)
+    assert 1 / 8 <= per_device / total < 1.011 / 8
 
 
 def test_data_parallel_cache_needs_divisible_pages():
