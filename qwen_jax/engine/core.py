@@ -24,7 +24,7 @@ from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
-from qwen_jax.engine.speculative import VerifyOutput
+from qwen_jax.engine.speculative import VerifyOutput, num_speculative_tokens
 from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
@@ -133,6 +133,9 @@ class EngineCore:
         cfg = read_model_config(model_path, args["dtype"])
         source = None if args["load_format"] == "dummy" else open_checkpoint(model_path)[1]
         cfg = self.cfg = cfg if source is None else resolve_mtp(cfg, source)
+        if num_speculative_tokens(args["speculative_config"]) and not cfg.has_mtp:
+            raise ValueError(f"speculative_config: method 'mtp' needs the model's MTP head; {model_path} has none "
+                             "(its config's mtp_num_hidden_layers is 0, or its checkpoint lacks the mtp.* tensors)")
         # a head layout the partitioned ops cannot split fails here, not mid-step
         ops_for_mesh(cfg, replica_meshes[0], kernels)
         tokenizer = load_tokenizer(args["tokenizer"] or model_path)

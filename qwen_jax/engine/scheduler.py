@@ -187,7 +187,8 @@ class Scheduler:
     def _speculate(self, rows: list[Row], draft_len: int) -> bool:
         """Whether `rows` verify draft_len drafts each: every row is a decoding row of a running sequence whose
         sampling does not depend on the tokens before it in the step (no penalties, no min_tokens left, no grammar),
-        the tokens fit the budget and max_model_len, and every sequence has the blocks (allocated here)."""
+        the tokens fit the budget and max_model_len, and every sequence has the blocks (allocated here) for the
+        verified tokens and the positions its next drafts are made at (2 * draft_len past the last known token)."""
         if not rows or not all(r.samples and r.num_tokens == 1 and not r.admitted for r in rows):
             return False
         if len(rows) * (1 + draft_len) > self.max_num_batched_tokens:
@@ -196,9 +197,9 @@ class Scheduler:
             seq, params = r.seq, r.seq.params
             if params.has_penalties or seq.num_requested < params.min_tokens or seq.grammar is not None:
                 return False
-            if self.max_model_len is not None and seq.num_computed_tokens + 1 + draft_len > self.max_model_len:
+            if self.max_model_len is not None and seq.num_computed_tokens + 2 * draft_len > self.max_model_len:
                 return False
-        return all(self._grow(r.seq, 1 + draft_len) for r in rows)
+        return all(self._grow(r.seq, 2 * draft_len) for r in rows)
 
     def _multi_step(self, rows: list[Row], max_steps: int) -> int:
         """How many decode steps `rows` run at once: max_steps when every row is a decoding row of a running

@@ -22,6 +22,7 @@ from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, init_penalty_
 from qwen_jax.engine.speculative import VerifyOutput, verify
 from qwen_jax.layers.batch import Ragged
 from qwen_jax.models import decoder
+from qwen_jax.models.mtp import mtp_forward
 from sharding import rules
 from sharding.ops import ops_for_mesh
 
@@ -219,18 +220,46 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
     within = jnp.arange(draft_len + 1)[None, :]
     at = batch.query_start[:, None] + within  # [R, draft_len + 1]: each request's tokens on the token axis
     tokens = tokens.at[jnp.where(live[:, None], at[:, 1:], tokens.shape[0])].set(proposed, mode="drop")
-    logits, cache, pending = decoder.verify_forward(params, cache, tokens, batch, cfg,
-                                                    ops_for_mesh(cfg, mesh, kernels), draft_len)
+    ops = ops_for_mesh(cfg, mesh, kernels)
+    logits, cache, hidden, pending = decoder.verify_forward(params, cache, tokens, batch, cfg, ops, draft_len)
     logits = jax.lax.with_sharding_constraint(logits[jnp.where(live[:, None], at, 0)], replicated(mesh))
     out = verify(logits, proposed, sampling_tensors(sampling, sampling_layout), num_top_logprobs=num_top_logprobs,
                  path=path)
     emitted = jnp.where(live, out.num_emitted, 0)
     cache = decoder.commit_verified_layers(cache, pending, batch, emitted)
-    layers = [rules.constrain_cache_layer(cfg, mesh, i, c) for i, c in enumerate(cache["layers"])]
     last = out.tokens[jnp.arange(requests), jnp.maximum(emitted - 1, 0)]
-    next_drafts = jnp.broadcast_to(last[:, None], (requests, draft_len))  # the drafter: MTP (to come)
-    return (out._replace(num_emitted=emitted), {"layers": layers}, last_tokens.at[:requests].set(last),
-            drafts.at[:requests].set(next_drafts))
+    next_drafts, cache = draft(params, cache, hidden, jnp.maximum(out.tokens, 0), emitted, batch, cfg, ops, draft_len)
+    return (out._replace(num_emitted=emitted), rules.constrain_cache(cfg, mesh, cache),
+            last_tokens.at[:requests].set(last), drafts.at[:requests].set(next_drafts))
+
+
+def draft(params: dict, cache: dict, hidden: jax.Array, emitted_tokens: jax.Array, num_emitted: jax.Array,
+          batch: Ragged, cfg: ModelConfig, ops, draft_len: int) -> tuple[jax.Array, dict]:
+    """The MTP head's next draft_len drafts for each verify row (models/mtp.py), greedy (its argmax: the one-hot
+    proposals engine/speculative.py verifies against). First over every verified token, each paired with the token
+    emitted after it (its KV pages are then those of the sequence: a rejected position's are overwritten later), the
+    first draft read at the row's last emitted token; then one token a row at the next positions, each fed the draft
+    before it and the head's own output. emitted_tokens: [R, draft_len + 1] (0 past num_emitted). Returns (drafts
+    [R, draft_len], the cache with the head's pages written)."""
+    requests = num_emitted.shape[0]
+    live = num_emitted > 0
+    within = jnp.arange(draft_len + 1)[None, :]
+    at = jnp.where(live[:, None], batch.query_start[:, None] + within, hidden.shape[0])
+    following = jnp.zeros(hidden.shape[0], jnp.int32).at[at].set(emitted_tokens, mode="drop")
+    last = jnp.where(live, batch.query_start + num_emitted - 1, 0)
+    logits, out, cache = mtp_forward(params, cache, hidden, following, batch, cfg, ops, last)
+    drafts = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
+    hidden = out[last]
+    position = batch.context_len - batch.query_len + num_emitted - 1  # the last emitted token's hidden state's
+    rows = jnp.arange(requests, dtype=jnp.int32)
+    for _ in range(draft_len - 1):
+        position = position + 1
+        one = Ragged(positions=jnp.where(live, position, 0), token_request=rows, token_valid=live, query_start=rows,
+                     query_len=live.astype(jnp.int32), context_len=jnp.where(live, position + 1, 0),
+                     state_slot=batch.state_slot, fresh=jnp.zeros_like(live), block_table=batch.block_table)
+        logits, hidden, cache = mtp_forward(params, cache, hidden, drafts[-1], one, cfg, ops)
+        drafts.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    return jnp.stack(drafts, axis=1), cache
 
 
 # ---- the sampler ----------------------------------------------------------------------------------------------------

@@ -109,6 +109,30 @@ def hybrid_dir(models) -> str:
 
 
 @pytest.fixture(scope="session")
+def hybrid_mtp_dir(models, tmp_path_factory) -> str:
+    """The hybrid model with an MTP head (config mtp_num_hidden_layers 1, mtp.* tensors) built to draft often right:
+    its fc passes the main model's hidden state through and its layer adds nothing (output projections zero), so it
+    drafts the main model's last prediction again, which this tiny model's repetitive greedy output often is."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("hybrid_mtp") / "model"
+    shutil.copytree(models["hybrid"][0], directory)
+    state = load_file(str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    attention = config["layer_types"].index("full_attention")
+    prefix = f"model.layers.{attention}."
+    head = {"mtp.layers.0." + k[len(prefix):]: torch.zeros_like(v) if "o_proj" in k or "down_proj" in k else v.clone()
+            for k, v in state.items() if k.startswith(prefix)}
+    hidden = config["hidden_size"]
+    head["mtp.fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)  # [embedding, hidden]
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        head[f"mtp.{name}.weight"] = torch.zeros(hidden)  # (1 + w) norms: the identity scale
+    save_file({**state, **head}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(dict(config, mtp_num_hidden_layers=1)))
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
 def llama_dir(models) -> str:
     return models["llama"][0]
 

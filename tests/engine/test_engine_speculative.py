@@ -13,15 +13,21 @@ def greedy(max_tokens, **extra):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
 
 
+@pytest.fixture(scope="module")
+def plain(hybrid_mtp_dir, kit):
+    """The same model (its head loaded and unused) without speculation."""
+    return LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda k: f"k{k}")
-def speculative(request, hybrid_dir, kit):
+def speculative(request, hybrid_mtp_dir, kit):
     k = request.param
-    return k, LLM(hybrid_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kit.ENGINE_ARGS)
+    return k, LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k},
+                  **kit.ENGINE_ARGS)
 
 
-def test_greedy_outputs_equal_plain_decoding(engines, speculative, kit):
+def test_greedy_outputs_equal_plain_decoding(plain, speculative, kit):
     k, llm = speculative
-    plain = engines("hybrid")
     prompts = [kit.prompt(n, seed=950 + n) for n in (5, 23, 40, 12)] + [kit.EOS_PROMPT]
     params = [greedy(17, ignore_eos=True), greedy(9, ignore_eos=True), greedy(12, ignore_eos=True),
               greedy(14, ignore_eos=True, stop_token_ids=[7]), greedy(12)]
@@ -38,7 +44,7 @@ def test_greedy_outputs_equal_plain_decoding(engines, speculative, kit):
     kit.assert_idle(llm)
 
 
-def test_preemption_under_speculation_keeps_outputs(engines, speculative, kit):
+def test_preemption_under_speculation_keeps_outputs(plain, speculative, kit):
     """Four long requests need more blocks than the cache has: some are preempted and recomputed."""
     k, llm = speculative
     prompts = [kit.prompt(40, seed=970 + i) for i in range(4)]
@@ -46,8 +52,13 @@ def test_preemption_under_speculation_keeps_outputs(engines, speculative, kit):
     before = llm.engine.stats()["num_preemptions_total"]
     got = llm.generate(prompts, params)
     assert llm.engine.stats()["num_preemptions_total"] > before
-    assert [o.token_ids for o in got] == [o.token_ids for o in engines("hybrid").generate(prompts, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
     kit.assert_idle(llm)
+
+
+def test_a_model_without_an_mtp_head_cannot_speculate(hybrid_dir, kit):
+    with pytest.raises(ValueError, match="MTP head"):
+        LLM(hybrid_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **kit.ENGINE_ARGS)
 
 
 @pytest.mark.parametrize("config, problem", [
