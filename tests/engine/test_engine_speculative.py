@@ -3,6 +3,8 @@ over batches, draft counts 1..3, rows that end mid-draft (EOS, stop token ids, m
 recurrent states after partly rejected drafts are those of plain decoding (the outputs after them would differ
 otherwise)."""
 
+import re
+
 import pytest
 
 from qwen_jax import LLM, SamplingParams
@@ -54,6 +56,37 @@ def test_preemption_under_speculation_keeps_outputs(plain, speculative, kit):
     assert llm.engine.stats()["num_preemptions_total"] > before
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
     kit.assert_idle(llm)
+
+
+def test_a_stop_string_inside_accepted_drafts_cuts_as_without_them(plain, speculative, kit):
+    """Several tokens come back at once; the text still ends where the stop string starts, as without speculation."""
+    k, llm = speculative
+    prompt = llm.tokenizer.encode("Once upon a time, a small robot")
+    params = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    text = plain.generate([prompt], SamplingParams(**params))[0].text
+    match = re.search(r"[A-Za-z]{3}", text[len(text) // 3:])
+    assert match, f"no ASCII word in {text!r}"
+    stopped = [engine.generate([prompt], SamplingParams(**params, stop=[match.group()]))[0]
+               for engine in (plain, llm)]
+    assert stopped[1].text == stopped[0].text == text[:text.find(match.group())]
+    assert stopped[1].token_ids == stopped[0].token_ids and stopped[1].finish_reason == "stop"
+    kit.assert_idle(llm)
+
+
+def test_prefix_caching_on_and_off_give_the_same_outputs(hybrid_mtp_dir, kit):
+    """Prompts sharing a prefix: hits restore recurrent-state snapshots, and speculation runs on top of them."""
+    config = {"method": "mtp", "num_speculative_tokens": 2}
+    base = kit.prompt(40, seed=990)
+    prompts = [base + kit.prompt(5, seed=991), base + kit.prompt(9, seed=992), base]
+    params = greedy(12, ignore_eos=True)
+    cached = LLM(hybrid_mtp_dir, speculative_config=config, **kit.ENGINE_ARGS)
+    first = cached.generate(prompts[:1], params)
+    again = cached.generate(prompts, params)
+    assert again[1].num_cached_tokens > 0
+    uncached = LLM(hybrid_mtp_dir, speculative_config=config, **dict(kit.ENGINE_ARGS, enable_prefix_caching=False))
+    assert [o.token_ids for o in uncached.generate(prompts, params)] == [o.token_ids for o in again]
+    assert first[0].token_ids == again[0].token_ids
+    kit.assert_idle(cached)
 
 
 def test_a_model_without_an_mtp_head_cannot_speculate(hybrid_dir, kit):
