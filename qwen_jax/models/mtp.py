@@ -41,6 +41,17 @@ from qwen_jax.layers.ops import Ops
 from qwen_jax.models.decoder import layer_call, lm_head
 
 
+def next_tokens_in_request(tokens: jax.Array, batch: Ragged, following: jax.Array) -> jax.Array:
+    """The head's `tokens` for a step of the main model: each token's successor in its request, [T] -> [T], where
+    the last token of request r is followed by following[r] ([R]: the token sampled after it, or for a prefill
+    chunk that ends inside its prompt, the prompt's next token). Padding tokens get 0."""
+    index = jnp.arange(tokens.shape[0])
+    request = batch.token_request
+    last = batch.query_start[request] + batch.query_len[request] - 1
+    successor = tokens[jnp.minimum(index + 1, tokens.shape[0] - 1)]
+    return jnp.where(batch.token_valid, jnp.where(index == last, following[request], successor), 0)
+
+
 def mtp_forward(params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array, batch: Ragged, cfg: ModelConfig,
                 ops: Ops, sample_index: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
     """One MTP step over a ragged batch. hidden: [T, H] main-model hidden states after its final norm (or the

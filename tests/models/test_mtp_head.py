@@ -29,7 +29,7 @@ from qwen_jax.config import from_hf_dict, load_config
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.ops import ops_for
 from qwen_jax.models import decoder
-from qwen_jax.models.mtp import mtp_forward
+from qwen_jax.models.mtp import mtp_forward, next_tokens_in_request
 from qwen_jax.weights import SafetensorsSource, WeightError, load_params
 from sharding import mesh, rules
 
@@ -278,11 +278,17 @@ def test_mtp_forward_matches_the_torch_reference_over_a_ragged_batch_in_two_chun
     for starts, lens, num_tokens, with_index in (([0, 0], [9, 4], 16, False), ([9, 4], [4, 2], 8, True)):
         chunk = ragged(starts, lens, [1, 2], tables, num_tokens=num_tokens, num_requests=3, table_width=2)
         x = np.zeros((num_tokens, cfg.hidden_size), np.float32)
-        ids = np.zeros(num_tokens, np.int32)
+        step_tokens = np.zeros(num_tokens, np.int32)
         rows = [np.arange(lens[0]), lens[0] + np.arange(lens[1])]
         for r in range(2):
             x[rows[r]] = hidden_of[r][starts[r]:starts[r] + lens[r]]
-            ids[rows[r]] = shifted[r][starts[r]:starts[r] + lens[r]]
+            step_tokens[rows[r]] = seqs[r][starts[r]:starts[r] + lens[r]]
+        # what follows each request's last token here: its next prompt token, or the sampled one after the prompt
+        following = [np.append(seqs[r], nexts[r])[starts[r] + lens[r]] for r in range(2)]
+        ids = next_tokens_in_request(jnp.asarray(step_tokens), chunk, jnp.asarray(following + [7], jnp.int32))
+        for r in range(2):
+            np.testing.assert_array_equal(np.asarray(ids)[rows[r]], shifted[r][starts[r]:starts[r] + lens[r]])
+        assert not np.asarray(ids)[sum(lens):].any()  # padding tokens
         index = jnp.asarray([rows[0][-1], rows[1][-1]], jnp.int32) if with_index else None
         logits, out, new_cache = step(params, cache, jnp.asarray(x), jnp.asarray(ids), chunk, cfg=cfg, ops=ops,
                                       sample_index=index)
