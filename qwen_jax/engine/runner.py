@@ -140,7 +140,19 @@ class ModelRunner:
                 r.seq.sample_row = i
         if rows and rows[0].drafts:
             return step.pack_verify_inputs(tokens, batch, source, draft_source)
-        return step.pack_inputs(tokens, batch, source)
+        return step.pack_inputs(tokens, batch, source, self._following(rows, num_requests))
+
+    def _following(self, rows: list[Row], num_requests: int) -> np.ndarray | None:
+        """A model that speculates: each row's token after its last (the prompt's next one after a chunk that ends
+        inside it; -1 after a sampled one, which the device has), for the MTP head (step.draft_step); else None."""
+        if not self.num_speculative_tokens:
+            return None
+        following = np.full(num_requests, -1, np.int32)
+        for i, r in enumerate(rows):
+            if not r.samples:
+                end = r.start + r.num_tokens
+                following[i] = r.seq.token_ids(end, end + 1)[0]
+        return following
 
     def prepare(self, rows: list[Row]) -> list:
         """The device work of one planned step as host data, an op list run in order by the executor:
@@ -160,7 +172,8 @@ class ModelRunner:
             vocab_size=self.vocab_size, batch_size=num_requests, eos_token_ids=self.eos_token_ids,
             step_seed=self.step_seed + 1, num_penalty_rows=self.num_slots, constrained_rows=constrained,
             token_masks=self._token_masks([rows[i] for i in constrained]) if constrained else None)
-        self.step_seed += steps
+        # an unseeded row's key advances once per token a row may emit (a verify row: its drafts + 1)
+        self.step_seed += rows[0].drafts + 1 if rows and rows[0].drafts else steps
         sampling_buffer, sampling_layout = step.pack(tensors._asdict())
         penalties = any(p.has_penalties for p in sampling)
         top = TOP_LOGPROBS_WIDTH if any(p.logprobs is not None for p in sampling) else 0
@@ -255,11 +268,15 @@ class ModelRunner:
                 forward = self._forward(layout)
                 sample = self._sampler(sampling_layout, path, top, penalties)
                 inputs, sampling = self._stage(layout, buffer, sampling)
-                logits, self.cache = forward(self.params, self.cache, self.last_tokens, inputs)
+                logits, self.cache, *head_inputs = forward(self.params, self.cache, self.last_tokens, inputs)
                 out, self.last_tokens, counts = sample(logits, sampling, self.last_tokens,
                                                        self.penalty_counts if penalties else None)
                 if penalties:
                     self.penalty_counts = counts
+                if head_inputs:  # a model that speculates: the MTP head's pages and first drafts
+                    self.cache, self.drafts = step.draft_step(
+                        self.params, self.cache, *head_inputs, self.last_tokens, self.drafts, inputs, layout=layout,
+                        cfg=self.cfg, mesh=self.mesh, kernels=self.kernels, draft_len=self.num_speculative_tokens)
             elif kind == "decode_steps":
                 buffer, layout, sampling, sampling_layout, path, top, steps = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
@@ -330,7 +347,8 @@ class ModelRunner:
         buffer = self._packed(layout.size)
         return step.forward.lower(self._abstract(self.params), self._abstract(self.cache),
                                   self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
-                                  mesh=self.mesh, kernels=self.kernels).compile()
+                                  mesh=self.mesh, kernels=self.kernels,
+                                  with_hidden=bool(self.num_speculative_tokens)).compile()
 
     def max_decode_steps(self, seqs: list) -> int:
         """Decode steps the running sequences `seqs` may run in one program: decode_steps when they are few enough
@@ -436,8 +454,9 @@ class ModelRunner:
 
     def step_inputs_for(self, size: int) -> tuple[np.ndarray, step.Layout]:
         """The packed inputs of a step of `size` padding tokens (no request: every write goes to the sinks)."""
-        batch = ragged([], [], [], [], size, step.request_bucket(size, self.max_num_seqs), self.table_width)
-        return step.pack_inputs(np.zeros(size, np.int32), batch)
+        requests = step.request_bucket(size, self.max_num_seqs)
+        batch = ragged([], [], [], [], size, requests, self.table_width)
+        return step.pack_inputs(np.zeros(size, np.int32), batch, following=self._following([], requests))
 
     def warmup(self, first: list[int], max_pairs: int, background: list[int] = ()) -> None:
         """Compile the steps of the token buckets `first` (several at once), run each once on padding (run_padding),

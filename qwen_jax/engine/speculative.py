@@ -1,13 +1,15 @@
 """Speculative decoding's acceptance: from the target model's logits at a verify row's k+1 positions (its last token
 and k draft tokens) and the drafts, the tokens the row emits: the longest accepted prefix of the drafts, then one
-token of the target's own (the correction at the first rejection, or the bonus after k acceptances).
+token of the target's own (the correction at the first mismatch, or the bonus after k acceptances).
 
-Greedy rows accept a draft when it is the target's argmax. Sampled rows use rejection sampling against the drafts as
-one-hot proposals (the drafter takes its argmax): draft d at position j is accepted with probability p_j(d), and at
-the first rejection the token is drawn from p_j without d, renormalised. Every emitted token then follows exactly the
-distribution the plain sampler (engine/sampler.py) would draw it from, p_j being that sampler's distribution
-(`target_logits`: temperature, top-k, top-p, min-p, logit bias, bans). Rows with penalties or a grammar, whose
-distribution at j depends on the tokens before j, are not verified here (the engine does not speculate for them).
+Every position draws its token exactly as the plain sampler (engine/sampler.py) would draw it there: greedy rows take
+the argmax, sampled rows draw from the sampler's distribution (`target_logits`: temperature, top-k, top-p, min-p,
+logit bias, bans) with the key the sampler would use for that output token (the row's rng advanced by rng_step per
+position, as several decode steps in one program advance it). A draft is accepted when it equals that token. With
+one-hot drafts (the drafter's argmax) a draft d is then accepted with probability p(d), as rejection sampling would
+accept it, and every emitted token is the very token plain decoding would have drawn, so a seeded request's output
+does not depend on whether, or how much, it speculated. Rows with penalties or a grammar, whose distribution at j
+depends on the tokens before j, are not verified here (the engine does not speculate for them).
 Never reads a device value back and never branches on one.
 """
 
@@ -70,9 +72,8 @@ def verify(logits: jax.Array, drafts: jax.Array, tensors: SamplingTensors, *, nu
            path: int) -> VerifyOutput:
     """logits [R, k+1, V] (float32 or bf16) of each verify row's positions, drafts [R, k] i32 -> VerifyOutput.
 
-    tensors: the rows' SamplingTensors for this step (no penalty counts, no grammar masks); a row draws its numbers
-    from its usual key (row_key of its rng), folded with 2j for the acceptance test at position j and 2j+1 for the
-    token drawn there. `path`: cut_path of the rows.
+    tensors: the rows' SamplingTensors for this step (no penalty counts, no grammar masks); position j of a row
+    draws with row_key(rng + j * rng_step), the key of its output token there. `path`: cut_path of the rows.
     """
     rows, positions, vocab = logits.shape
     k = positions - 1
@@ -82,32 +83,15 @@ def verify(logits: jax.Array, drafts: jax.Array, tensors: SamplingTensors, *, nu
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x, scaled = target_logits(logits.reshape(rows * positions, vocab), _per_position(tensors, positions), None, path)
     x, scaled = x.reshape(logits.shape), scaled.reshape(logits.shape)
-    sampled = tensors.temperature > 0.0  # [R]
-    keys = jax.vmap(row_key)(tensors.rng)
     at = jnp.arange(positions)
-
-    def draws(key):  # per position: a uniform for the acceptance test, a key for the position's own token
-        return (jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, 2 * j)))(at),
-                jax.vmap(lambda j: jax.random.fold_in(key, 2 * j + 1))(at))
-
-    uniforms, token_keys = jax.vmap(draws)(keys)  # [R, k+1], [R, k+1] keys
-    probs = jax.nn.softmax(scaled, axis=-1)  # [R, k+1, V]
-    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [R, k+1]
-    draft_prob = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]  # [R, k]
-    accepted = jnp.where(sampled[:, None], uniforms[:, :k] < draft_prob, drafts == greedy[:, :k])
-    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)  # [R] in 0..k
-
-    # The target's own token at every position: a rejected draft is excluded from the draw there (the residual
-    # distribution); past the drafts (the bonus position) nothing is excluded.
-    excluded = jnp.concatenate([drafts, jnp.full((rows, 1), vocab, jnp.int32)], axis=1)  # vocab: no token
-    residual = jnp.where(jnp.arange(vocab) == excluded[..., None], -jnp.inf, scaled)
-    drawn = jax.vmap(jax.vmap(jax.random.categorical))(token_keys, residual).astype(jnp.int32)
-    own = jnp.where(sampled[:, None], drawn, greedy)  # [R, k+1]
-    padded_drafts = jnp.concatenate([drafts, jnp.zeros((rows, 1), jnp.int32)], axis=1)
-    tokens = jnp.where(at < num_accepted[:, None], padded_drafts, own)
-    emitted = at <= num_accepted[:, None]
-    tokens = jnp.where(emitted, tokens, -1)
-    chosen = jnp.take_along_axis(raw_logprobs, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    rng = tensors.rng[:, None, :] + at[None, :, None].astype(jnp.uint32) * tensors.rng_step[:, None, :]
+    keys = jax.vmap(jax.vmap(row_key))(rng)  # [R, k+1]
+    drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, scaled).astype(jnp.int32)
+    own = jnp.where(tensors.temperature[:, None] > 0.0, drawn, jnp.argmax(x, axis=-1).astype(jnp.int32))
+    num_accepted = jnp.sum(jnp.cumprod((drafts == own[:, :k]).astype(jnp.int32), axis=-1), axis=-1)  # [R] 0..k
+    emitted = at[None, :] <= num_accepted[:, None]
+    tokens = jnp.where(emitted, own, -1)
+    chosen = jnp.take_along_axis(raw_logprobs, own[..., None], axis=-1)[..., 0]
     if num_top_logprobs:
         top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
     else:

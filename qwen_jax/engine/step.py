@@ -22,7 +22,7 @@ from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, init_penalty_
 from qwen_jax.engine.speculative import VerifyOutput, verify
 from qwen_jax.layers.batch import Ragged
 from qwen_jax.models import decoder
-from qwen_jax.models.mtp import mtp_forward
+from qwen_jax.models.mtp import mtp_forward, next_tokens_in_request
 from sharding import rules
 from sharding.ops import ops_for_mesh
 
@@ -111,14 +111,16 @@ def sample_index(batch: Ragged) -> np.ndarray:
     return np.maximum(np.asarray(batch.query_start) + np.asarray(batch.query_len) - 1, 0).astype(np.int32)
 
 
-def pack_inputs(tokens: np.ndarray, batch: Ragged, token_source: np.ndarray | None = None
-                ) -> tuple[np.ndarray, Layout]:
+def pack_inputs(tokens: np.ndarray, batch: Ragged, token_source: np.ndarray | None = None,
+                following: np.ndarray | None = None) -> tuple[np.ndarray, Layout]:
     """A forward's packed inputs: the tokens [T], where each comes from (token_source, see `forward`; None: all from
-    `tokens`), the Ragged fields and each request's sample index."""
+    `tokens`), the Ragged fields and each request's sample index; for a model that speculates, `following` [R]
+    (draft_step)."""
     if token_source is None:
         token_source = np.full(len(tokens), -1, np.int32)
+    extra = {} if following is None else {"following": np.asarray(following, np.int32)}
     return pack(dict(tokens=np.asarray(tokens, np.int32), token_source=token_source, **batch._asdict(),
-                     sample_index=sample_index(batch)))
+                     sample_index=sample_index(batch), **extra))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -139,18 +141,20 @@ def sampling_tensors(buffer: jax.Array, layout: Layout) -> SamplingTensors:
     return SamplingTensors(**unpack(buffer, layout))
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh", "kernels"), donate_argnames=("cache",),
-                   compiler_options=EXACT)
+@functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh", "kernels", "with_hidden"),
+                   donate_argnames=("cache",), compiler_options=EXACT)
 def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array, *, layout: Layout,
-            cfg: ModelConfig, mesh: Mesh, kernels: str) -> tuple[jax.Array, dict]:
+            cfg: ModelConfig, mesh: Mesh, kernels: str, with_hidden: bool = False) -> tuple:
     """One step's forward: (float32 logits [R, V] of each request's last token, the updated cache); `kernels`: the
-    hot ops' implementation (qwen_jax/layers/ops.py).
+    hot ops' implementation (qwen_jax/layers/ops.py). with_hidden (a model that speculates): also every token's
+    final hidden state [T, H] and the tokens [T], the MTP head's inputs (draft_step).
     buffer (packed): tokens [T] with token_source [T] (>= 0: the token is that row of the previous step's sampled
     tokens `last_tokens`, still on the device; -1: tokens[t]), the Ragged fields, sample_index [R]."""
     tokens, batch, sample_index = step_batch(buffer, layout, last_tokens)
-    logits, cache = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh, kernels),
-                                   sample_index)
-    return jax.lax.with_sharding_constraint(logits, replicated(mesh)), rules.constrain_cache(cfg, mesh, cache)
+    out = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh, kernels), sample_index,
+                          return_hidden=with_hidden)
+    logits, cache = jax.lax.with_sharding_constraint(out[0], replicated(mesh)), rules.constrain_cache(cfg, mesh, out[1])
+    return (logits, cache, out[2], tokens) if with_hidden else (logits, cache)
 
 
 # ---- several decode steps in one program -----------------------------------------------------------------------------
@@ -228,29 +232,49 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
     emitted = jnp.where(live, out.num_emitted, 0)
     cache = decoder.commit_verified_layers(cache, pending, batch, emitted)
     last = out.tokens[jnp.arange(requests), jnp.maximum(emitted - 1, 0)]
-    next_drafts, cache = draft(params, cache, hidden, jnp.maximum(out.tokens, 0), emitted, batch, cfg, ops, draft_len)
+    # the head's tokens: each verified token's successor, the token emitted after it (0 past the emitted ones)
+    following = jnp.zeros(tokens.shape[0], jnp.int32).at[jnp.where(live[:, None], at, tokens.shape[0])].set(
+        jnp.maximum(out.tokens, 0), mode="drop")
+    next_drafts, cache = draft(params, cache, hidden, following, jnp.where(live, batch.query_start + emitted - 1, 0),
+                               live, batch, cfg, ops, draft_len)
     return (out._replace(num_emitted=emitted), rules.constrain_cache(cfg, mesh, cache),
             last_tokens.at[:requests].set(last), drafts.at[:requests].set(next_drafts))
 
 
-def draft(params: dict, cache: dict, hidden: jax.Array, emitted_tokens: jax.Array, num_emitted: jax.Array,
+@functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh", "kernels", "draft_len"),
+                   donate_argnames=("cache", "drafts"), compiler_options=EXACT)
+def draft_step(params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array, last_tokens: jax.Array,
+               drafts: jax.Array, buffer: jax.Array, *, layout: Layout, cfg: ModelConfig, mesh: Mesh, kernels: str,
+               draft_len: int) -> tuple[dict, jax.Array]:
+    """After a plain step of a model that speculates (forward with_hidden, then the sampler): the MTP head over the
+    step's tokens, so its KV pages cover every position a later draft attends to, and the first drafts of each
+    request that sampled (into its row of `drafts`). `buffer`: the forward's, with `following` [R] (the prompt's
+    next token after a chunk that ends inside it; -1 after a sampled token, the sampler's row of last_tokens).
+    Returns (the cache with the head's pages written, drafts)."""
+    a = unpack(buffer, layout)
+    batch = Ragged(**{k: a[k] for k in RAGGED_KEYS})
+    requests = batch.query_len.shape[0]
+    live = batch.query_len > 0
+    after = jnp.where(a["following"] < 0, last_tokens[:requests], a["following"])
+    new, cache = draft(params, cache, hidden, next_tokens_in_request(tokens, batch, after), a["sample_index"], live,
+                       batch, cfg, ops_for_mesh(cfg, mesh, kernels), draft_len)
+    rows = jnp.where(live & (a["following"] < 0), jnp.arange(requests), drafts.shape[0])
+    return rules.constrain_cache(cfg, mesh, cache), drafts.at[rows].set(new, mode="drop")
+
+
+def draft(params: dict, cache: dict, hidden: jax.Array, following: jax.Array, last: jax.Array, live: jax.Array,
           batch: Ragged, cfg: ModelConfig, ops, draft_len: int) -> tuple[jax.Array, dict]:
-    """The MTP head's next draft_len drafts for each verify row (models/mtp.py), greedy (its argmax: the one-hot
-    proposals engine/speculative.py verifies against). First over every verified token, each paired with the token
-    emitted after it (its KV pages are then those of the sequence: a rejected position's are overwritten later), the
-    first draft read at the row's last emitted token; then one token a row at the next positions, each fed the draft
-    before it and the head's own output. emitted_tokens: [R, draft_len + 1] (0 past num_emitted). Returns (drafts
+    """The MTP head's next draft_len drafts for each request (models/mtp.py), greedy (its argmax: the one-hot
+    proposals engine/speculative.py verifies against). First over every token of the step, each paired with the
+    token that followed it (`following` [T]; the head's KV pages are then those of the sequence, a rejected
+    position's overwritten later), the first draft read at each request's last token `last` [R]; then one token a
+    request at the next positions, each fed the draft before it and the head's own output. Returns (drafts
     [R, draft_len], the cache with the head's pages written)."""
-    requests = num_emitted.shape[0]
-    live = num_emitted > 0
-    within = jnp.arange(draft_len + 1)[None, :]
-    at = jnp.where(live[:, None], batch.query_start[:, None] + within, hidden.shape[0])
-    following = jnp.zeros(hidden.shape[0], jnp.int32).at[at].set(emitted_tokens, mode="drop")
-    last = jnp.where(live, batch.query_start + num_emitted - 1, 0)
+    requests = last.shape[0]
     logits, out, cache = mtp_forward(params, cache, hidden, following, batch, cfg, ops, last)
     drafts = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
     hidden = out[last]
-    position = batch.context_len - batch.query_len + num_emitted - 1  # the last emitted token's hidden state's
+    position = batch.positions[last]  # the position of the hidden state the first draft was read at
     rows = jnp.arange(requests, dtype=jnp.int32)
     for _ in range(draft_len - 1):
         position = position + 1

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (speculative_config): greedy outputs equal those without it, token for token,
+"""Speculative decoding in the engine (speculative_config): greedy and seeded outputs equal those without it, token for token,
 over batches, draft counts 1..3, rows that end mid-draft (EOS, stop token ids, max_tokens) and preemption; the
 recurrent states after partly rejected drafts are those of plain decoding (the outputs after them would differ
 otherwise)."""
@@ -55,6 +55,24 @@ def test_preemption_under_speculation_keeps_outputs(plain, speculative, kit):
     got = llm.generate(prompts, params)
     assert llm.engine.stats()["num_preemptions_total"] > before
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
+    kit.assert_idle(llm)
+
+
+def test_seeded_sampled_rows_emit_what_plain_decoding_emits(plain, speculative, kit):
+    """Each position of a verify row draws with the key its output token has in plain decoding (the distribution:
+    test_speculative.py), so seeded rows with temperature, top-k and top-p give the same tokens as without
+    speculation, whatever was accepted."""
+    k, llm = speculative
+    prompts = [kit.prompt(n, seed=930 + n) for n in (6, 19, 33)]
+    params = [SamplingParams(max_tokens=15, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=11, temperature=1.0, top_k=5, seed=8, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=13, temperature=0.6, top_p=0.9, seed=9, ignore_eos=True)]
+    before = llm.engine.stats()["spec_verified_rows_total"]
+    got, expected = llm.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [len(o.token_ids) for o in got] == [15, 11, 13]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(got[1].logprobs, expected[1].logprobs)) < 1e-4
+    assert llm.engine.stats()["spec_verified_rows_total"] > before
     kit.assert_idle(llm)
 
 

@@ -1,6 +1,6 @@
-"""Speculative acceptance (engine/speculative.py): greedy rows emit exactly the target's argmax tokens, and sampled
-rows' emitted tokens follow exactly the plain sampler's distribution, checked by chi-square over many independent
-rows on a tiny vocabulary."""
+"""Speculative acceptance (engine/speculative.py): greedy rows emit exactly the target's argmax tokens; sampled rows
+emit exactly the tokens the plain sampler draws at each position with that position's key, so their distribution is
+the sampler's (checked by chi-square over many independent rows on a tiny vocabulary)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from qwen_jax.engine.sampler import SamplingTensors, cut_path, target_logits
+from qwen_jax.engine.sampler import SamplingTensors, cut_path, sample, target_logits
 from qwen_jax.engine.speculative import verify
 from qwen_jax.sampling_params import SamplingParams
 
@@ -84,3 +84,25 @@ def test_drafts_must_match_the_positions():
     with pytest.raises(ValueError, match="drafts"):
         verify(logits, jnp.zeros((2, 3), jnp.int32), tensors_for([SamplingParams()] * 2, 5), num_top_logprobs=0,
                path=0)
+
+
+def test_each_emitted_token_is_the_plain_samplers_draw_with_that_positions_key():
+    """Position j of a row draws as the plain sampler would for that output token (rng advanced j times by
+    rng_step), whatever the drafts: seeded rows emit what they would emit without speculation."""
+    rng = np.random.default_rng(3)
+    rows, k, vocab = 6, 3, 9
+    logits = jnp.asarray(rng.normal(size=(rows, k + 1, vocab)) * 2, jnp.float32)
+    params = [SamplingParams(temperature=0.9, seed=40 + r, top_k=6 if r % 2 else 0) for r in range(rows)]
+    tensors = tensors_for(params, vocab)
+    path = cut_path(params, vocab)
+    def at(j):  # the tensors of a row's j-th token from now
+        return tensors._replace(rng=tensors.rng + jnp.uint32(j) * tensors.rng_step)
+
+    plain = np.stack([np.asarray(sample(logits[:, j], at(j), num_top_logprobs=0, path=path)[0].tokens)
+                      for j in range(k + 1)], axis=1)
+    for drafts in (plain[:, :k], (plain[:, :k] + 1) % vocab, np.where(np.arange(k) < 2, plain[:, :k], 0)):
+        out = verify(logits, jnp.asarray(drafts, jnp.int32), tensors, num_top_logprobs=0, path=path)
+        tokens, emitted = np.asarray(out.tokens), np.asarray(out.num_emitted)
+        for r in range(rows):
+            assert tokens[r, :emitted[r]].tolist() == plain[r, :emitted[r]].tolist()
+            assert emitted[r] == 1 + next((j for j in range(k) if drafts[r, j] != plain[r, j]), k)
