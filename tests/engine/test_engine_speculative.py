@@ -1,7 +1,7 @@
-"""Speculative decoding in the engine (speculative_config): greedy and seeded outputs equal those without it, token for token,
-over batches, draft counts 1..3, rows that end mid-draft (EOS, stop token ids, max_tokens) and preemption; the
-recurrent states after partly rejected drafts are those of plain decoding (the outputs after them would differ
-otherwise)."""
+"""Speculative decoding in the engine (speculative_config): greedy and seeded outputs equal those without it, token
+for token, over batches, draft counts 1..3, rows that end mid-draft (EOS, stop token ids, stop strings, max_tokens),
+preemption and prefix-cache hits; the recurrent states after partly rejected drafts are those of plain decoding (the
+outputs after them would differ otherwise)."""
 
 import re
 
