@@ -265,13 +265,48 @@ async def run_level(base_url: str, model: str, tokenizer: Any, concurrency: int,
             bar.update(1)
             return r
 
+        counters = await spec_decode_counters(client, base_url)
         start = time.perf_counter()
         results = await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - start
         bar.close()
+        spec = spec_decode_delta(counters, await spec_decode_counters(client, base_url))
         checks = await spot_check(client, base_url, model, seed, spot_check_tokens)
-    return {"concurrency": concurrency, **summarize(results, wall, tokenizer, input_len, output_len),
-            "spot_check": checks}
+    level = {"concurrency": concurrency, **summarize(results, wall, tokenizer, input_len, output_len),
+             "spot_check": checks}
+    return {**level, "spec_decode": spec} if spec else level
+
+
+SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+async def spec_decode_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    """The server's speculative-decoding counters from /metrics (vLLM's spec_decode_* names, under any prefix);
+    empty when it has none or no /metrics."""
+    try:
+        response = await client.get(base_url.rstrip("/") + "/metrics")
+    except httpx.HTTPError:
+        return {}
+    return parse_spec_decode(response.text) if response.status_code == 200 else {}
+
+
+def parse_spec_decode(metrics: str) -> dict[str, float]:
+    """The spec_decode_* counters in a Prometheus text page (summed over label sets)."""
+    found: dict[str, float] = {}
+    for name in SPEC_DECODE_COUNTERS:
+        for match in re.finditer(rf"^\S*spec_decode_{name}_total(?:{{[^}}]*}})? (\S+)$", metrics, re.M):
+            found[name] = found.get(name, 0.0) + float(match.group(1))
+    return found
+
+
+def spec_decode_delta(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """The level's speculative decoding from two counter reads: drafts, draft and accepted tokens, the acceptance
+    length (tokens a verify step emits per request: 1 + accepted / drafts); None without drafts."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SPEC_DECODE_COUNTERS}
+    if delta["num_drafts"] <= 0:
+        return None
+    return {**{k: int(v) for k, v in delta.items()},
+            "acceptance_length": round(1 + delta["num_accepted_tokens"] / delta["num_drafts"], 3)}
 
 
 # ---- the whole run ---------------------------------------------------------------------------------------------
@@ -389,6 +424,12 @@ async def main_async(argv: Sequence[str] | None = None) -> dict:
         not args.no_progress, roofline, args.waves, previous, args.levels_out)
     print(format_table(run["levels"]))
     print(f"weighted score (sum of weight x total tok/s): {run['weighted_score']:.1f}")
+    for lv in run["levels"]:
+        if "spec_decode" in lv:
+            sd = lv["spec_decode"]
+            print(f"c={lv['concurrency']} speculative decoding: acceptance length {sd['acceptance_length']} "
+                  f"({sd['num_accepted_tokens']} of {sd['num_draft_tokens']} draft tokens accepted over "
+                  f"{sd['num_drafts']} verify rows)")
     spot = sum(lv["spot_check"]["correct"] for lv in run["levels"])
     total = sum(lv["spot_check"]["total"] for lv in run["levels"])
     print(f"arithmetic spot checks: {spot}/{total} correct (meaningless with random weights)")

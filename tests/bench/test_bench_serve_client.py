@@ -78,7 +78,7 @@ def test_reused_prompts_and_reported_failures(tokenizer, fake_server):
 
     run, seen = asyncio.run(go())
     prompts = [b["prompt"] for b in seen["log"]]
-    assert prompts[:10] == prompts[10:]
+    assert sorted(prompts[:10]) == sorted(prompts[10:])  # the same prompts (concurrent ones arrive in any order)
     errors = sum(level["errors"] for level in run["levels"])
     assert errors == 4  # requests 5, 10, 15, 20 of 2 x (2 warm-ups + 8) fail, all of them measured ones
     for level in run["levels"]:
@@ -162,3 +162,16 @@ def test_spot_check_wants_the_exact_number(tokenizer, fake_server):
     assert [c["correct"] for c in result["checks"]] == [True, False]
     assert result["correct"] == 1 and result["total"] == 2
     assert all(b["messages"][0]["content"].endswith("Answer with the number only.") for b in seen["chat_log"])
+
+
+def test_speculative_decoding_counters_give_the_levels_acceptance_length():
+    page = lambda drafts, tokens, accepted: (  # noqa: E731
+        f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {drafts}\n'
+        f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {tokens}\n'
+        f'qwen_jax_spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}\n'
+        "qwen_jax_spec_decode_num_drafts_created 1.7e9\n")
+    before, after = serve.parse_spec_decode(page(10, 30, 12)), serve.parse_spec_decode(page(110, 330, 182))
+    assert before == {"num_drafts": 10.0, "num_draft_tokens": 30.0, "num_accepted_tokens": 12.0}
+    assert serve.spec_decode_delta(before, after) == {"num_drafts": 100, "num_draft_tokens": 300,
+                                                      "num_accepted_tokens": 170, "acceptance_length": 2.7}
+    assert serve.spec_decode_delta(after, after) is None and serve.parse_spec_decode("up 1\n") == {}
