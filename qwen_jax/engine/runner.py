@@ -89,6 +89,9 @@ class ModelRunner:
         self._forwards: dict[int, jax.stages.Compiled] = {}
         # several decode steps a program (decode_steps), each with the sampling layout it was compiled for
         self._decoders: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
+        # speculative decoding: the MTP head's program after a plain step, and the verify step, of each bucket
+        self._drafters: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
+        self._verifiers: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self._stagers: dict[int, jax.stages.Compiled] = {}  # packed-input size -> its stage_inputs program
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
@@ -274,9 +277,8 @@ class ModelRunner:
                 if penalties:
                     self.penalty_counts = counts
                 if head_inputs:  # a model that speculates: the MTP head's pages and first drafts
-                    self.cache, self.drafts = step.draft_step(
-                        self.params, self.cache, *head_inputs, self.last_tokens, self.drafts, inputs, layout=layout,
-                        cfg=self.cfg, mesh=self.mesh, kernels=self.kernels, draft_len=self.num_speculative_tokens)
+                    self.cache, self.drafts = self._drafter(layout)(self.params, self.cache, *head_inputs,
+                                                                    self.last_tokens, self.drafts, inputs)
             elif kind == "decode_steps":
                 buffer, layout, sampling, sampling_layout, path, top, steps = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
@@ -287,10 +289,9 @@ class ModelRunner:
                 buffer, layout, sampling, sampling_layout, path, top, draft_len = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 inputs, sampling = self._stage(layout, buffer, sampling)
-                out, self.cache, self.last_tokens, self.drafts = step.verify_step(
-                    self.params, self.cache, self.last_tokens, self.drafts, inputs, sampling, layout=layout,
-                    sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh, kernels=self.kernels,
-                    draft_len=draft_len, num_top_logprobs=top, path=path)
+                program = self._verifier(layout, sampling_layout, path, top)
+                out, self.cache, self.last_tokens, self.drafts = program(self.params, self.cache, self.last_tokens,
+                                                                         self.drafts, inputs, sampling)
             elif kind == "compile":
                 self.compile(args[0])
             else:
@@ -382,6 +383,58 @@ class ModelRunner:
             sampling, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh,
             kernels=self.kernels, steps=self.decode_steps, num_top_logprobs=0, path=0).compile()
 
+    # ---- speculative decoding's programs --------------------------------------------------------------------
+    def verify_inputs_for(self, size: int) -> tuple[np.ndarray, step.Layout]:
+        """The packed inputs of a verify step of `size` padding tokens (no request: every write goes to the sinks)."""
+        requests = step.request_bucket(size, self.max_num_seqs)
+        batch = ragged([], [], [], [], size, requests, self.table_width)
+        return step.pack_verify_inputs(np.zeros(size, np.int32), batch, np.full(size, -1, np.int32),
+                                       np.zeros(requests, np.int32))
+
+    def _verify_bucket(self, size: int) -> bool:
+        """Whether a verify step can take `size` tokens (at most max_num_seqs rows of drafts + 1, within budget)."""
+        limit = min(self.max_num_seqs * (self.num_speculative_tokens + 1), self.token_buckets[-1])
+        return size <= step.bucket_for(limit, self.token_buckets)
+
+    def _compile_speculation(self, size: int) -> None:
+        """A model that speculates: the MTP head's program after a plain step of `size` tokens and, where a verify
+        step can be that large, the verify step (greedy and temperature-only sampling, no logprobs: the common
+        case; other samplers are jitted when first needed)."""
+        k, replicated = self.num_speculative_tokens, step.replicated(self.mesh)
+        params, cache = self._abstract(self.params), self._abstract(self.cache)
+        last_tokens, drafts = self._abstract(self.last_tokens), self._abstract(self.drafts)
+        layout = self.step_inputs_for(size)[1]
+        hidden = jax.ShapeDtypeStruct((size, self.cfg.hidden_size), self.cfg.jnp_dtype, sharding=replicated)
+        tokens = jax.ShapeDtypeStruct((size,), np.int32, sharding=replicated)
+        self._drafters[size] = layout, step.draft_step.lower(
+            params, cache, hidden, tokens, last_tokens, drafts, self._packed(layout.size), layout=layout,
+            cfg=self.cfg, mesh=self.mesh, kernels=self.kernels, draft_len=k).compile()
+        if self._verify_bucket(size):
+            layout = self.verify_inputs_for(size)[1]
+            sampling_layout = self._padding_sampling(size)[1]
+            self._verifiers[size] = sampling_layout, step.verify_step.lower(
+                params, cache, last_tokens, drafts, self._packed(layout.size), self._packed(sampling_layout.size),
+                layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh, kernels=self.kernels,
+                draft_len=k, num_top_logprobs=0, path=0).compile()
+            self._stager(layout.size)
+
+    def _drafter(self, layout: step.Layout):
+        size = step.layout_shape(layout, "tokens")[0]
+        compiled = self._drafters.get(size)
+        if compiled is not None and compiled[0] == layout:
+            return compiled[1]
+        return functools.partial(step.draft_step, layout=layout, cfg=self.cfg, mesh=self.mesh, kernels=self.kernels,
+                                 draft_len=self.num_speculative_tokens)
+
+    def _verifier(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int):
+        size = step.layout_shape(layout, "tokens")[0]
+        compiled = self._verifiers.get(size)
+        if compiled is not None and (sampling_layout, path, top) == (compiled[0], 0, 0):
+            return compiled[1]
+        return functools.partial(step.verify_step, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
+                                 mesh=self.mesh, kernels=self.kernels, draft_len=self.num_speculative_tokens,
+                                 num_top_logprobs=top, path=path)
+
     def _input_buffer(self, size: int) -> jax.Array:
         buffer = self._inputs.get(size)
         if buffer is None:
@@ -428,6 +481,8 @@ class ModelRunner:
             for path in (0, 1):
                 if (layout, path, 0, False) not in self._samplers:
                     self._compile_sampler(layout, path)
+            if self.num_speculative_tokens and size not in self._drafters:
+                self._compile_speculation(size)
             if size in self.decode_buckets and size not in self._decoders:
                 try:
                     self._compile_decoder(size)
@@ -489,6 +544,9 @@ class ModelRunner:
         if size in self._decoders:
             jax.block_until_ready(self.executor([("decode_steps", buffer, layout, sampling, sampling_layout, 0, 0,
                                                   self.decode_steps)]))
+        if size in self._verifiers:
+            jax.block_until_ready(self.executor([("verify", *self.verify_inputs_for(size), sampling, sampling_layout,
+                                                  0, 0, self.num_speculative_tokens)]))
 
     def run_compiled(self) -> bool:
         """Give one bucket compiled in the background its first run (run_padding), then let steps use it; the

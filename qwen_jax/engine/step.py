@@ -154,7 +154,9 @@ def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array
     out = decoder.forward(params, cache, tokens, batch, cfg, ops_for_mesh(cfg, mesh, kernels), sample_index,
                           return_hidden=with_hidden)
     logits, cache = jax.lax.with_sharding_constraint(out[0], replicated(mesh)), rules.constrain_cache(cfg, mesh, out[1])
-    return (logits, cache, out[2], tokens) if with_hidden else (logits, cache)
+    if not with_hidden:
+        return logits, cache
+    return logits, cache, *jax.lax.with_sharding_constraint((out[2], tokens), replicated(mesh))
 
 
 # ---- several decode steps in one program -----------------------------------------------------------------------------
