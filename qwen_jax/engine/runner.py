@@ -129,10 +129,12 @@ class ModelRunner:
             known = min(end, seq.num_known_tokens)
             ids = seq.token_ids(r.start, known)
             tokens[at:at + len(ids)] = ids
-            # The row's first unknown token is still on the device (the previous step sampled it), unless it is
-            # a draft (a verify row whose last token is known: its drafts come from the device in the program).
-            if end > known and (not r.drafts or known == r.start):
-                source[at + known - r.start] = seq.sample_row
+            # A token the previous step sampled is still on the device: a row's last (a verify row's first, its
+            # drafts following it come from the device in the program).
+            if end > known and not r.drafts:
+                source[at + r.num_tokens - 1] = seq.sample_row
+            elif end > known and known <= r.start:
+                source[at] = seq.sample_row
             at += r.num_tokens
         batch = ragged([r.start for r in rows], [r.num_tokens for r in rows], [r.seq.slot for r in rows],
                        [r.seq.block_table for r in rows], padded, num_requests, self.table_width)
