@@ -3,7 +3,7 @@
 Importing it never allocates device memory (JAX is told not to preallocate, so other processes can share the GPU)
 and never imports the engine: the public names load on first use, so a low module (the config, a layer) imports
 alone, without the package pulling in everything above it. JAX's allocator may grow to 95% of the device (its
-default cap is 75%); the engine argument `gpu_memory_utilization` sizes the caches. XLA:CPU schedules sequentially.
+default cap is 75%); the engine argument `gpu_memory_utilization` sizes the caches.
 """
 
 import importlib
@@ -13,11 +13,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Under JAX's default cap of 75% an H200 holding 35B-A3B's 65 GiB of weights has room for only ~370k KV tokens,
 # fewer than 256 sequences of 2k tokens need; the engine's own budget (gpu_memory_utilization) is the real limit.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-# XLA:CPU's concurrency-optimized scheduler has deadlocked (and aborted) on this engine's programs in one process:
-# compiles and 8-device collectives hung idle. A sequential schedule avoids it; GPUs ignore the flag.
-_CPU_SCHEDULE = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-if "xla_cpu_enable_concurrency_optimized_scheduler" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CPU_SCHEDULE}".strip()
 
 # The public API, by name -> the module that defines it. The server (and any other user) imports these only.
 _PUBLIC = {
