@@ -7,4 +7,11 @@ python3 -m pip install -q -e ".[test]"
 lint-imports
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export JAX_PLATFORMS=cpu
-python3 -m pytest tests "$@"
+# One process per test directory: in one process for all, a Pallas kernel's XLA:CPU compile in tests/kernels hung
+# (all threads idle) after the bench and engine tests had run; alone it takes seconds. Not yet bisected.
+status=0
+for part in tests/*/ tests/test_*.py; do
+  [[ "$part" == *__pycache__* ]] && continue
+  python3 -m pytest "$part" "$@" || status=1
+done
+exit $status
