@@ -23,6 +23,7 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.engine import grammar, step
 from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, cut_path
 from qwen_jax.engine.scheduler import Row
+from qwen_jax.engine.speculative import VerifyOutput
 from qwen_jax.layers.batch import ragged
 from qwen_jax.sampling_params import SamplingParams
 from sharding import rules
@@ -505,7 +506,11 @@ class ModelRunner:
     def fetch(self, out: SampleOutput) -> SampleOutput:
         """A step's sampled tokens and logprobs on the host: the one place the engine waits for the device."""
         waited = time.perf_counter()
-        host = type(out)(*jax.device_get(tuple(out)))
+        values = jax.device_get(tuple(out))
+        # a replica on other hosts sends a plain list back: its length tells a verify step's output from a step's
+        kind = type(out) if hasattr(out, "_fields") else (
+            VerifyOutput if len(values) == len(VerifyOutput._fields) else SampleOutput)
+        host = kind(*values)
         self.device_wait_seconds += time.perf_counter() - waited
         return host
 
