@@ -145,7 +145,7 @@ class ModelRunner:
             if r.samples:
                 r.seq.sample_row = i
         if rows and rows[0].drafts:
-            return step.pack_verify_inputs(tokens, batch, source, draft_source)
+            return step.pack_inputs(tokens, batch, source, draft_source=draft_source)
         return step.pack_inputs(tokens, batch, source, self._following(rows, num_requests))
 
     def _following(self, rows: list[Row], num_requests: int) -> np.ndarray | None:
@@ -391,8 +391,7 @@ class ModelRunner:
         """The packed inputs of a verify step of `size` padding tokens (no request: every write goes to the sinks)."""
         requests = step.request_bucket(size, self.max_num_seqs)
         batch = ragged([], [], [], [], size, requests, self.table_width)
-        return step.pack_verify_inputs(np.zeros(size, np.int32), batch, np.full(size, -1, np.int32),
-                                       np.zeros(requests, np.int32))
+        return step.pack_inputs(np.zeros(size, np.int32), batch, draft_source=np.zeros(requests, np.int32))
 
     def _verify_bucket(self, size: int) -> bool:
         """Whether a verify step can take `size` tokens (at most max_num_seqs rows of drafts + 1, within budget)."""

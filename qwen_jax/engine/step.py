@@ -112,13 +112,15 @@ def sample_index(batch: Ragged) -> np.ndarray:
 
 
 def pack_inputs(tokens: np.ndarray, batch: Ragged, token_source: np.ndarray | None = None,
-                following: np.ndarray | None = None) -> tuple[np.ndarray, Layout]:
+                following: np.ndarray | None = None, draft_source: np.ndarray | None = None
+                ) -> tuple[np.ndarray, Layout]:
     """A forward's packed inputs: the tokens [T], where each comes from (token_source, see `forward`; None: all from
     `tokens`), the Ragged fields and each request's sample index; for a model that speculates, `following` [R]
-    (draft_step)."""
+    (draft_step) after a plain step, or each request's row of the drafts array `draft_source` [R] (verify_step)."""
     if token_source is None:
         token_source = np.full(len(tokens), -1, np.int32)
-    extra = {} if following is None else {"following": np.asarray(following, np.int32)}
+    extra = {name: np.asarray(value, np.int32) for name, value in
+             (("following", following), ("draft_source", draft_source)) if value is not None}
     return pack(dict(tokens=np.asarray(tokens, np.int32), token_source=token_source, **batch._asdict(),
                      sample_index=sample_index(batch), **extra))
 
@@ -198,13 +200,6 @@ def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.
 
 
 # ---- speculative decoding ------------------------------------------------------------------------------------------
-def pack_verify_inputs(tokens: np.ndarray, batch: Ragged, token_source: np.ndarray, draft_source: np.ndarray
-                       ) -> tuple[np.ndarray, Layout]:
-    """A verify step's packed inputs: pack_inputs' and each request's row of the drafts array [R]."""
-    return pack(dict(tokens=np.asarray(tokens, np.int32), token_source=token_source, **batch._asdict(),
-                     sample_index=sample_index(batch), draft_source=np.asarray(draft_source, np.int32)))
-
-
 @functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "kernels", "draft_len",
                                              "num_top_logprobs", "path"),
                    donate_argnames=("cache", "last_tokens", "drafts"), compiler_options=EXACT)
