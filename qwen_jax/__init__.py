@@ -28,7 +28,7 @@ _PUBLIC = {
 }
 # Public names that differ from the name in their module.
 _ALIASES = {"check_structured_outputs": "check", "host_settings": "settings",
-            "check_speculative_config": "num_speculative_tokens"}
+            "check_speculative_config": "speculation"}
 __all__ = list(_PUBLIC)
 
 

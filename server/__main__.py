@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps run in one program for batches of a few requests (default: 4 on a GPU, 1 "
                         "elsewhere)")
     p.add_argument("--speculative-config", default=None,
-                   help=engine("speculative_config", 'speculative decoding as JSON, e.g. \'{"method": "mtp", '
-                                                    '"num_speculative_tokens": 2}\''))
+                   help=engine("speculative_config", "speculative decoding with the model's MTP head: by default "
+                               "where it pays, when the checkpoint has the head; JSON such as '{\"method\": \"mtp\", "
+                               "\"num_speculative_tokens\": 2}' for k drafts on every step that can verify; 'off'"))
     p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
                    help="the most logprobs per token a request may ask for, at most the sampler's "
                         f"{SamplingParams.MAX_LOGPROBS} (default: %(default)s)")

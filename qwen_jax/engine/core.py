@@ -24,7 +24,7 @@ from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
-from qwen_jax.engine.speculative import VerifyOutput, num_speculative_tokens
+from qwen_jax.engine.speculative import VerifyOutput, speculation
 from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
@@ -54,7 +54,9 @@ ENGINE_ARGS = dict(
     # Decode steps per program for batches of a few requests (vLLM's multi-step scheduling); None: 4 on a GPU, 1
     # elsewhere (engine/replica.py says why).
     num_scheduler_steps=None,
-    # Speculative decoding, vLLM's flag: {"method": "mtp", "num_speculative_tokens": k} (or its JSON); None: off.
+    # Speculative decoding with the model's MTP head (vLLM's flag, engine/speculative.py `speculation`): None (or
+    # {"method": "mtp"}): where it pays, k drafts by batch size (DraftPolicy), when the checkpoint has the head;
+    # {"method": "mtp", "num_speculative_tokens": k}: k drafts on every step that can verify; "off": none.
     speculative_config=None,
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
@@ -133,9 +135,7 @@ class EngineCore:
         cfg = read_model_config(model_path, args["dtype"])
         source = None if args["load_format"] == "dummy" else open_checkpoint(model_path)[1]
         cfg = self.cfg = cfg if source is None else resolve_mtp(cfg, source)
-        if num_speculative_tokens(args["speculative_config"]) and not cfg.has_mtp:
-            raise ValueError(f"speculative_config: method 'mtp' needs the model's MTP head; {model_path} has none "
-                             "(its config's mtp_num_hidden_layers is 0, or its checkpoint lacks the mtp.* tensors)")
+        speculation(args["speculative_config"], cfg.has_mtp)  # a config the model cannot serve fails here
         # a head layout the partitioned ops cannot split fails here, not mid-step
         ops_for_mesh(cfg, replica_meshes[0], kernels)
         tokenizer = load_tokenizer(args["tokenizer"] or model_path)
@@ -279,11 +279,10 @@ class EngineCore:
             else:
                 ahead.append(step)
         for replica in self.replicas:
-            plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running),
-                                              replica.runner.num_speculative_tokens)
+            plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running))
             if plan.empty:
                 continue
-            rows, ops, failed = self._prepare(replica, plan.rows)
+            rows, ops, failed = self._prepare(replica, plan.rows, plan.head)
             outputs += failed
             if rows:
                 dispatch = time.perf_counter()
@@ -313,19 +312,20 @@ class EngineCore:
             "waiting": sum(len(r.scheduler.waiting) for r in self.replicas),
             "running": sum(len(r.scheduler.running) for r in self.replicas)}) + "\n")
 
-    def _prepare(self, replica: Replica, rows: list[Row]) -> tuple[list[Row], list | None, list[CoreOutput]]:
+    def _prepare(self, replica: Replica, rows: list[Row], head: bool) -> tuple[list[Row], list | None,
+                                                                                list[CoreOutput]]:
         """A planned step's ops; when building them raises, the requests whose rows fail alone are failed and the
         step is built without them: (the rows issued, their ops, the failed requests' outputs). A failure that no
         single row explains is the engine's and propagates."""
         try:
-            return rows, replica.runner.prepare(rows), []
+            return rows, replica.runner.prepare(rows, head), []
         except Exception:
             culprits = replica.runner.failing_rows(rows)
             if not culprits:
                 raise
         failed = [self._fail(replica, row.seq, exc) for row, exc in culprits]
         rows = [row for row in rows if row.seq.request_id not in {out.request_id for out in failed}]
-        return rows, replica.runner.prepare(rows) if rows else None, failed
+        return rows, replica.runner.prepare(rows, head) if rows else None, failed
 
     def _fail(self, replica: Replica, seq: Sequence, exc: Exception) -> CoreOutput:
         """End one request because handling it raised: its client gets the error, every other request goes on."""
@@ -339,8 +339,8 @@ class EngineCore:
     def _apply(self, step: _InFlight) -> list[CoreOutput]:
         host = step.replica.runner.fetch(step.out)
         emitted = None
-        if isinstance(host, VerifyOutput):  # [requests, drafts + 1] -> [positions, requests], as several steps give
-            emitted = host.num_emitted
+        if isinstance(host, VerifyOutput):  # [requests, positions] -> [positions, requests], as several steps give
+            emitted = host.num_emitted  # [requests, rounds]
             host = SampleOutput(host.tokens.T, host.logprobs.T, host.top_ids.transpose(1, 0, 2),
                                 host.top_logprobs.transpose(1, 0, 2))
         elif host.tokens.ndim == 1:  # one step; several in one program give [steps, requests]
@@ -352,10 +352,13 @@ class EngineCore:
             row.seq.num_pending -= row.steps
             count = row.steps
             if emitted is not None:  # the step booked every draft as computed; the rejected ones were not
-                count = int(emitted[i])
-                row.seq.num_computed_tokens -= row.drafts + 1 - count
-                self.spec_rows, self.spec_drafted = self.spec_rows + 1, self.spec_drafted + row.drafts
-                self.spec_accepted += count - 1
+                rounds = [int(n) for n in emitted[i]]
+                count = sum(rounds)
+                row.seq.num_computed_tokens -= row.steps * (row.drafts + 1) - count
+                self.spec_rows += row.steps
+                self.spec_drafted += row.steps * row.drafts
+                self.spec_accepted += count - row.steps
+                step.replica.scheduler.speculation.record(row.drafts, rounds)
             try:
                 out = self._apply_row(step.replica, row, host, i, count)
             except Exception as exc:

@@ -20,7 +20,7 @@ from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.scheduler import Scheduler
 from qwen_jax.engine.sequence import Sequence
-from qwen_jax.engine.speculative import num_speculative_tokens
+from qwen_jax.engine.speculative import DraftPolicy, speculation
 from sharding import rules
 from sharding.mesh import describe as describe_mesh
 
@@ -54,8 +54,10 @@ class Replica:
         self.slots = SlotPool(self.max_num_seqs + 1)
         self.prefix_cache = (PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid)
                              if args["enable_prefix_caching"] else None)
+        spec = speculation(args["speculative_config"], cfg.has_mtp)
+        policy = DraftPolicy(spec) if spec.num_drafts else None
         self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.prefix_cache, max_model_len)
+                                   self.prefix_cache, max_model_len, policy)
         steps = args["num_scheduler_steps"]
         if steps is None:
             steps = DECODE_STEPS if jax.default_backend() == "gpu" else 1
@@ -63,8 +65,9 @@ class Replica:
                                   self.num_snapshots if self.prefix_cache else 0, max_model_len, self.max_num_seqs,
                                   self.max_num_batched_tokens, eos_token_ids, seed=seed, mesh=mesh,
                                   decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS,
-                                  kernels=args["kernels"],
-                                  num_speculative_tokens=num_speculative_tokens(args["speculative_config"]))
+                                  kernels=args["kernels"], num_speculative_tokens=spec.num_drafts,
+                                  drafts_at=policy.drafts_at if policy else None)
+        self.scheduler.verify_rounds = self.runner.verify_rounds
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
     def _size_memory(self, args: dict) -> None:

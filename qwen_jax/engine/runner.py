@@ -49,11 +49,14 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict | None, num_blocks: int, block_size: int, num_slots: int,
                  num_snapshots: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, decode_steps: int = 1,
-                 decode_steps_max_rows: int = 0, kernels: str = "reference", num_speculative_tokens: int = 0):
+                 decode_steps_max_rows: int = 0, kernels: str = "reference", num_speculative_tokens: int = 0,
+                 drafts_at: Callable[[int], int] | None = None):
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules. None: the
         mesh is on other hosts (a data-parallel replica there); this runner only writes its steps down, and its
         executor sends them where they run (engine/multihost.py). `kernels`: the hot ops' implementation
-        (qwen_jax/layers/ops.py)."""
+        (qwen_jax/layers/ops.py). A model that speculates: the MTP head proposes num_speculative_tokens drafts a
+        row, and a verify step of r rows verifies drafts_at(r) of them (0: such a step does not verify; the verify
+        programs compiled ahead are those)."""
         self.cfg = cfg
         self.kernels = kernels
         self.params = params
@@ -63,7 +66,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.num_slots = num_slots
         # Decode steps of up to decode_steps_max_rows requests run decode_steps at a time in one program.
-        self.num_speculative_tokens = num_speculative_tokens  # drafts a decoding row verifies a step (0: none)
+        self.num_speculative_tokens = num_speculative_tokens  # drafts the head proposes a row (0: no speculation)
+        self.drafts_at = drafts_at or (lambda rows: num_speculative_tokens)
         self.decode_steps = decode_steps
         self.decode_steps_max_rows = decode_steps_max_rows if decode_steps > 1 else 0
         self.decode_buckets = [size for size in step.token_buckets(max_num_batched_tokens, max_num_seqs)
@@ -90,9 +94,10 @@ class ModelRunner:
         self._forwards: dict[int, jax.stages.Compiled] = {}
         # several decode steps a program (decode_steps), each with the sampling layout it was compiled for
         self._decoders: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
-        # speculative decoding: the MTP head's program after a plain step, and the verify step, of each bucket
+        # speculative decoding: the MTP head's program after a plain step of each bucket, and the verify steps of
+        # each (bucket, drafts a row, rounds)
         self._drafters: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
-        self._verifiers: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
+        self._verifiers: dict[tuple[int, int, int], tuple[step.Layout, jax.stages.Compiled]] = {}
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self._stagers: dict[int, jax.stages.Compiled] = {}  # packed-input size -> its stage_inputs program
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
@@ -160,13 +165,15 @@ class ModelRunner:
                 following[i] = r.seq.token_ids(end, end + 1)[0]
         return following
 
-    def prepare(self, rows: list[Row]) -> list:
+    def prepare(self, rows: list[Row], head: bool = False) -> list:
         """The device work of one planned step as host data, an op list run in order by the executor:
         ("restore", src, dst) copies snapshots into state slots; ("penalties", rows, ids, num_prompt, num_tokens)
         resets the penalty counts of sequences entering the batch; ("step", inputs, input layout, sampling,
-        sampling layout, cut path, top logprobs, penalties on) runs the forward and the sampler; ("save", src, dst)
-        copies state slots into snapshots. Numpy arrays and plain values only, so a multi-host leader can send the
-        list to the other hosts. Also records, for each sampling row, where its token will be (seq.sample_row)."""
+        sampling layout, cut path, top logprobs, penalties on, head) runs the forward and the sampler (and, `head`,
+        the MTP head: StepPlan.head); ("decode_steps", ..., steps) several decode steps; ("verify", ..., drafts a
+        row, rounds) speculative decoding's rounds; ("save", src, dst) copies state slots into snapshots. Numpy
+        arrays and plain values only, so a multi-host leader can send the list to the other hosts. Also records,
+        for each sampling row, where its token will be (seq.sample_row)."""
         buffer, layout = self.step_inputs(rows)
         num_requests = step.layout_shape(layout, "query_len")[0]
         sampling = [r.seq.params if r.samples else _GREEDY for r in rows]
@@ -178,8 +185,8 @@ class ModelRunner:
             vocab_size=self.vocab_size, batch_size=num_requests, eos_token_ids=self.eos_token_ids,
             step_seed=self.step_seed + 1, num_penalty_rows=self.num_slots, constrained_rows=constrained,
             token_masks=self._token_masks([rows[i] for i in constrained]) if constrained else None)
-        # an unseeded row's key advances once per token a row may emit (a verify row: its drafts + 1)
-        self.step_seed += rows[0].drafts + 1 if rows and rows[0].drafts else steps
+        # an unseeded row's key advances once per token a row may emit (a verify row: rounds x (its drafts + 1))
+        self.step_seed += steps * (rows[0].drafts + 1) if rows else 1
         sampling_buffer, sampling_layout = step.pack(tensors._asdict())
         penalties = any(p.has_penalties for p in sampling)
         top = TOP_LOGPROBS_WIDTH if any(p.logprobs is not None for p in sampling) else 0
@@ -192,13 +199,13 @@ class ModelRunner:
             ops.append(("penalties", *self._penalty_rows(entering)))
         if rows and rows[0].drafts:  # verify rows only (Scheduler._speculate): no penalties, admissions, snapshots
             return [("verify", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size),
-                     top, rows[0].drafts)]
+                     top, rows[0].drafts, steps)]
         if steps > 1:  # decoding rows only (Scheduler._multi_step): no penalties, admissions or snapshots
             ops.append(("decode_steps", buffer, layout, sampling_buffer, sampling_layout,
                         cut_path(sampling, self.vocab_size), top, steps))
             return ops
         ops.append(("step", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size), top,
-                    penalties))
+                    penalties, head and bool(self.num_speculative_tokens)))
         save = [(r.seq.slot, r.save_snapshot) for r in rows if r.save_snapshot is not None]
         if save and self.has_snapshots:
             ops.append(("save", *self._pairs(save)))
@@ -269,7 +276,7 @@ class ModelRunner:
             elif kind == "penalties":
                 self.penalty_counts = step.init_penalties(self.penalty_counts, *self._put(tuple(args)))
             elif kind == "step":
-                buffer, layout, sampling, sampling_layout, path, top, penalties = args
+                buffer, layout, sampling, sampling_layout, path, top, penalties, head = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 forward = self._forward(layout)
                 sample = self._sampler(sampling_layout, path, top, penalties)
@@ -279,7 +286,7 @@ class ModelRunner:
                                                        self.penalty_counts if penalties else None)
                 if penalties:
                     self.penalty_counts = counts
-                if head_inputs:  # a model that speculates: the MTP head's pages and first drafts
+                if head:  # a model that speculates: the MTP head's pages and first drafts
                     self.cache, self.drafts = self._drafter(layout)(self.params, self.cache, *head_inputs,
                                                                     self.last_tokens, self.drafts, inputs)
             elif kind == "decode_steps":
@@ -289,10 +296,10 @@ class ModelRunner:
                 inputs, sampling = self._stage(layout, buffer, sampling)
                 out, self.cache, self.last_tokens = program(self.params, self.cache, self.last_tokens, inputs, sampling)
             elif kind == "verify":
-                buffer, layout, sampling, sampling_layout, path, top, draft_len = args
+                buffer, layout, sampling, sampling_layout, path, top, draft_len, rounds = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 inputs, sampling = self._stage(layout, buffer, sampling)
-                program = self._verifier(layout, sampling_layout, path, top)
+                program = self._verifier(layout, sampling_layout, path, top, draft_len, rounds)
                 out, self.cache, self.last_tokens, self.drafts = program(self.params, self.cache, self.last_tokens,
                                                                          self.drafts, inputs, sampling)
             elif kind == "compile":
@@ -393,16 +400,34 @@ class ModelRunner:
         batch = ragged([], [], [], [], size, requests, self.table_width)
         return step.pack_inputs(np.zeros(size, np.int32), batch, draft_source=np.zeros(requests, np.int32))
 
-    def _verify_bucket(self, size: int) -> bool:
-        """Whether a verify step can take `size` tokens (at most max_num_seqs rows of drafts + 1, within budget)."""
-        limit = min(self.max_num_seqs * (self.num_speculative_tokens + 1), self.token_buckets[-1])
-        return size <= step.bucket_for(limit, self.token_buckets)
+    def _verify_variants(self, size: int) -> list[tuple[int, int]]:
+        """The verify programs of token bucket `size` compiled ahead: (drafts a row, rounds) of every row count whose
+        verify step pads to that bucket; several rounds where decode steps run several a program."""
+        variants = set()
+        for rows in range(1, self.max_num_seqs + 1):
+            k = self.drafts_at(rows)
+            if not k or rows * (k + 1) > self.token_buckets[-1] or step.bucket_for(rows * (k + 1),
+                                                                                 self.token_buckets) != size:
+                continue
+            variants.add((k, 1))
+            if self.decode_steps > 1 and rows <= self.decode_steps_max_rows:
+                variants.add((k, self.decode_steps))
+        return sorted(variants)
+
+    def verify_rounds(self, rows: int, k: int) -> int:
+        """The most rounds one verify program runs for `rows` rows of k drafts (several where decode steps run
+        several a program); 0 while its program is still compiling in the background (a step never waits for one)."""
+        size = step.bucket_for(rows * (k + 1), self._ready or self.token_buckets)
+        rounds = self.decode_steps if 0 < rows <= self.decode_steps_max_rows else 1
+        if self._ready is None:
+            return rounds
+        return next((r for r in (rounds, 1) if (size, k, r) in self._verifiers), 0)
 
     def _compile_speculation(self, size: int) -> None:
-        """A model that speculates: the MTP head's program after a plain step of `size` tokens and, where a verify
-        step can be that large, the verify step (greedy and temperature-only sampling, no logprobs: the common
-        case; other samplers are jitted when first needed)."""
-        k, replicated = self.num_speculative_tokens, step.replicated(self.mesh)
+        """A model that speculates: the MTP head's program after a plain step of `size` tokens and the verify steps
+        of that bucket (_verify_variants; greedy and temperature-only sampling, no logprobs: the common case; other
+        samplers are jitted when first needed)."""
+        replicated = step.replicated(self.mesh)
         params, cache = self._abstract(self.params), self._abstract(self.cache)
         last_tokens, drafts = self._abstract(self.last_tokens), self._abstract(self.drafts)
         layout = self.step_inputs_for(size)[1]
@@ -410,14 +435,14 @@ class ModelRunner:
         tokens = jax.ShapeDtypeStruct((size,), np.int32, sharding=replicated)
         self._drafters[size] = layout, step.draft_step.lower(
             params, cache, hidden, tokens, last_tokens, drafts, self._packed(layout.size), layout=layout,
-            cfg=self.cfg, mesh=self.mesh, kernels=self.kernels, draft_len=k).compile()
-        if self._verify_bucket(size):
-            layout = self.verify_inputs_for(size)[1]
-            sampling_layout = self._padding_sampling(size)[1]
-            self._verifiers[size] = sampling_layout, step.verify_step.lower(
+            cfg=self.cfg, mesh=self.mesh, kernels=self.kernels, draft_len=self.num_speculative_tokens).compile()
+        layout = self.verify_inputs_for(size)[1]
+        sampling_layout = self._padding_sampling(size)[1]
+        for k, rounds in self._verify_variants(size):
+            self._verifiers[size, k, rounds] = sampling_layout, step.verify_step.lower(
                 params, cache, last_tokens, drafts, self._packed(layout.size), self._packed(sampling_layout.size),
                 layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh, kernels=self.kernels,
-                draft_len=k, num_top_logprobs=0, path=0).compile()
+                draft_len=k, rounds=rounds, num_top_logprobs=0, path=0).compile()
             self._stager(layout.size)
 
     def _drafter(self, layout: step.Layout):
@@ -428,13 +453,14 @@ class ModelRunner:
         return functools.partial(step.draft_step, layout=layout, cfg=self.cfg, mesh=self.mesh, kernels=self.kernels,
                                  draft_len=self.num_speculative_tokens)
 
-    def _verifier(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int):
+    def _verifier(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int, draft_len: int,
+                  rounds: int):
         size = step.layout_shape(layout, "tokens")[0]
-        compiled = self._verifiers.get(size)
+        compiled = self._verifiers.get((size, draft_len, rounds))
         if compiled is not None and (sampling_layout, path, top) == (compiled[0], 0, 0):
             return compiled[1]
         return functools.partial(step.verify_step, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
-                                 mesh=self.mesh, kernels=self.kernels, draft_len=self.num_speculative_tokens,
+                                 mesh=self.mesh, kernels=self.kernels, draft_len=draft_len, rounds=rounds,
                                  num_top_logprobs=top, path=path)
 
     def _input_buffer(self, size: int) -> jax.Array:
@@ -546,13 +572,14 @@ class ModelRunner:
         buffer, layout = self.step_inputs_for(size)
         sampling, sampling_layout = self._padding_sampling(size)
         for path in (0, 1):
-            jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, path, 0, False)]))
+            jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, path, 0, False,
+                                                  bool(self.num_speculative_tokens))]))
         if size in self._decoders:
             jax.block_until_ready(self.executor([("decode_steps", buffer, layout, sampling, sampling_layout, 0, 0,
                                                   self.decode_steps)]))
-        if size in self._verifiers:
+        for k, rounds in self._verify_variants(size) if self.num_speculative_tokens else ():
             jax.block_until_ready(self.executor([("verify", *self.verify_inputs_for(size), sampling, sampling_layout,
-                                                  0, 0, self.num_speculative_tokens)]))
+                                                  0, 0, k, rounds)]))
 
     def run_compiled(self) -> bool:
         """Give one bucket compiled in the background its first run (run_padding), then let steps use it; the

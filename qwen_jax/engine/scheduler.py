@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache, block_hashes, snapshot_boundary
 from qwen_jax.engine.sequence import Sequence, Status
+from qwen_jax.engine.speculative import DraftPolicy
 
 
 @dataclasses.dataclass
@@ -25,7 +27,7 @@ class Row:
     start: int
     num_tokens: int
     samples: bool = False  # the row's last token produces the sequence's next token
-    steps: int = 1  # decode steps this row runs in the step's program (several: each feeds the next its token)
+    steps: int = 1  # decode steps (or verify rounds) this row runs in the step's program, each after the one before
     drafts: int = 0  # speculative decoding: the row is its last token and this many drafts, verified in the step
     admitted: bool = False  # the sequence (re)enters the running set in this step
     restore_snapshot: int | None = None  # copy this snapshot into the seq's slot before the step
@@ -36,6 +38,7 @@ class Row:
 class StepPlan:
     rows: list[Row]
     preempted: list[Sequence]
+    head: bool = False  # a plain step of a model that speculates: the MTP head runs after it (drafts, its KV pages)
 
     @property
     def empty(self) -> bool:
@@ -44,14 +47,19 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: SlotPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_cache: PrefixCache | None = None, max_model_len: int | None = None):
-        """`slots`: one per running sequence (its recurrent state, its row of penalty counts)."""
+                 prefix_cache: PrefixCache | None = None, max_model_len: int | None = None,
+                 speculation: DraftPolicy | None = None):
+        """`slots`: one per running sequence (its recurrent state, its row of penalty counts); `speculation`: the
+        policy that picks the drafts decoding rows verify (None: the model does not speculate)."""
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
+        self.speculation = speculation
+        # the most verify rounds one program runs for (rows, drafts a row); the runner sets what it has compiled
+        self.verify_rounds: Callable[[int, int], int] = lambda rows, drafts: 1
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since the start, for the metrics
@@ -117,14 +125,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def schedule(self, max_steps: int = 1, draft_len: int = 0) -> StepPlan:
+    def schedule(self, max_steps: int = 1) -> StepPlan:
         """The next step: every running sequence's next tokens (oldest first; one for a decoding sequence, a chunk of
         its prompt for a prefilling one) under the token budget, preempting the newest when blocks run out, then
         waiting sequences while the budget, a slot and blocks allow. The plan's progress is booked at once.
-        max_steps > 1: when the step holds only decoding sequences, nothing waits and each has room for them, it runs
-        up to that many decode steps in one program (`_multi_step`). draft_len > 0: when it holds only decoding
-        sequences that may speculate, each row becomes its last token and draft_len drafts, verified in the step
-        (`_speculate`), which the engine reads back before it plans the next."""
+        When the step holds only decoding sequences that may speculate and the policy wants drafts verified, each
+        row becomes its last token and k drafts, verified in the step (`_speculate`), which the engine reads back
+        before it plans the next. Else, max_steps > 1: when the step holds only decoding sequences, nothing waits
+        and each has room for them, it runs up to that many decode steps in one program (`_multi_step`)."""
         budget = self.max_num_batched_tokens
         rows: list[Row] = []
         preempted: list[Sequence] = []
@@ -173,33 +181,47 @@ class Scheduler:
             row.admitted, row.restore_snapshot = True, restore
             rows.append(row)
             budget -= n
-        if draft_len and not preempted and self._speculate(rows, draft_len):
+        if not preempted and self._speculate(rows):
             for row in rows:
-                row.num_tokens, row.drafts = 1 + draft_len, draft_len
                 self._book(row)
             return StepPlan(rows, preempted)
-        steps = self._multi_step(rows, max_steps) if max_steps > 1 and not preempted else 1
+        # the MTP head after a plain step: over prompt chunks always (its KV pages of the prompt), and after decode
+        # tokens when the next step may verify (it needs their drafts)
+        head = self.speculation is not None and bool(rows) and (
+            any(not r.samples or r.num_tokens > 1 for r in rows) or self.speculation.wants_drafts(len(rows)))
+        steps = self._multi_step(rows, max_steps) if max_steps > 1 and not preempted and not head else 1
         for row in rows:
             row.steps = steps
             self._book(row)
-        return StepPlan(rows, preempted)
+        return StepPlan(rows, preempted, head)
 
-    def _speculate(self, rows: list[Row], draft_len: int) -> bool:
-        """Whether `rows` verify draft_len drafts each: every row is a decoding row of a running sequence whose
-        sampling does not depend on the tokens before it in the step (no penalties, no min_tokens left, no grammar),
-        the tokens fit the budget and max_model_len, and every sequence has the blocks (allocated here) for the
-        verified tokens and the positions its next drafts are made at (2 * draft_len past the last known token)."""
-        if not rows or not all(r.samples and r.num_tokens == 1 and not r.admitted for r in rows):
-            return False
-        if len(rows) * (1 + draft_len) > self.max_num_batched_tokens:
+    def _speculate(self, rows: list[Row]) -> bool:
+        """Whether `rows` verify drafts, and if so turn each into its last token and k drafts (k from the policy),
+        verified in several rounds of one program (`verify_rounds` when nothing waits and there is room, else 1). Only
+        when every row is a decoding row of a running sequence whose sampling does not depend on the tokens before
+        it (no penalties, no min_tokens left, no grammar), the tokens fit the budget and max_model_len, and every
+        sequence has the blocks (allocated here) for every round's tokens and the positions its last drafts are made
+        at (k - 1 past the last verified token)."""
+        if self.speculation is None or not rows or not all(
+                r.samples and r.num_tokens == 1 and not r.admitted for r in rows):
             return False
         for r in rows:
             seq, params = r.seq, r.seq.params
             if params.has_penalties or seq.num_requested < params.min_tokens or seq.grammar is not None:
                 return False
-            if self.max_model_len is not None and seq.num_computed_tokens + 2 * draft_len > self.max_model_len:
-                return False
-        return all(self._grow(r.seq, 2 * draft_len) for r in rows)
+        k = self.speculation.drafts_for(len(rows))
+        if not k or len(rows) * (1 + k) > self.max_num_batched_tokens:
+            return False
+        for rounds in sorted({1 if self.waiting else self.verify_rounds(len(rows), k), 1}, reverse=True):
+            reach = rounds * (k + 1) + k - 1  # tokens past num_computed_tokens the program writes KV pages for
+            if self.max_model_len is not None and any(
+                    r.seq.num_computed_tokens + reach > self.max_model_len for r in rows):
+                continue
+            if all(self._grow(r.seq, reach) for r in rows):  # blocks grown for some rows stay with them
+                for r in rows:
+                    r.num_tokens, r.drafts, r.steps = 1 + k, k, rounds
+                return True
+        return False
 
     def _multi_step(self, rows: list[Row], max_steps: int) -> int:
         """How many decode steps `rows` run at once: max_steps when every row is a decoding row of a running
@@ -223,7 +245,8 @@ class Scheduler:
         """Count a planned row as computed: its tokens' KV and state are in the cache for every later step (the
         device runs steps in order), its sample is pending, its full prompt blocks are indexed for prefix hits."""
         seq = row.seq
-        seq.num_computed_tokens += row.num_tokens + row.steps - 1
+        # a verify row's rounds book every draft (the core takes the rejected ones back)
+        seq.num_computed_tokens += row.steps * row.num_tokens if row.drafts else row.num_tokens + row.steps - 1
         if row.samples:
             seq.num_pending += row.steps
         if self.prefix_cache is not None:

@@ -28,30 +28,130 @@ METHODS = ("mtp",)
 MAX_DRAFTS = 3  # the most drafts a row verifies (the verify kernels are built for up to this many)
 
 
-def num_speculative_tokens(config: dict | str | None) -> int:
-    """vLLM's speculative config, {"method": "mtp", "num_speculative_tokens": k} (a dict or its JSON text) -> k;
-    None -> 0 (no speculation). Raises ValueError naming what is wrong."""
+class Speculation(NamedTuple):
+    """What the engine's speculative_config asks for."""
+
+    num_drafts: int  # the most drafts a row verifies a step; 0: no speculation
+    fixed: bool  # the config set num_speculative_tokens: every step that can verify does, with that many drafts
+
+
+def speculation(config: dict | str | None, has_mtp: bool = True) -> Speculation:
+    """vLLM's speculative config -> Speculation. None (the default) or {"method": "mtp"}: the MTP head's drafts where
+    they pay (DraftPolicy), when the model has the head; {"method": "mtp", "num_speculative_tokens": k} (k in
+    1..MAX_DRAFTS): k drafts on every step that can verify them; "off" or num_speculative_tokens 0: none. A dict or
+    its JSON text. Raises ValueError naming what is wrong, or when the config asks for the head and the model
+    (has_mtp False) has none."""
     if config is None:
-        return 0
+        return Speculation(MAX_DRAFTS if has_mtp else 0, False)
+    if config == "off":
+        return Speculation(0, False)
     if isinstance(config, str):
         try:
             config = json.loads(config)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not JSON: {exc}") from None
+            raise ValueError(f"speculative_config is not JSON or 'off': {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"speculative_config must be an object, got {type(config).__name__}")
     unknown = set(config) - {"method", "num_speculative_tokens"}
     if unknown:
         raise ValueError(f"speculative_config: unknown key(s) {sorted(unknown)}")
+    k = config.get("num_speculative_tokens")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFTS):
+        raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in 0..{MAX_DRAFTS}, got {k!r}")
+    if k == 0:
+        return Speculation(0, False)
     if config.get("method") not in METHODS:
         raise ValueError(f"speculative_config: method must be one of {METHODS}, got {config.get('method')!r}")
-    k = config.get("num_speculative_tokens")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS:
-        raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in 1..{MAX_DRAFTS}, got {k!r}")
-    return k
+    if not has_mtp:
+        raise ValueError("speculative_config: method 'mtp' needs the model's MTP head, and this model has none (its "
+                         "config's mtp_num_hidden_layers is 0, or its checkpoint lacks the mtp.* tensors)")
+    return Speculation(MAX_DRAFTS, False) if k is None else Speculation(k, True)
+
+
+# A verify step's time over a plain decode step's, by the step's rows, for k = 1, 2, 3 drafts a row: GPU time of
+# step.verify_step (drafting included) over step.forward + the sampler (H200, Qwen3.5-35B-A3B with random weights,
+# context 1,536, `python -m qwen_jax.bench.step_profile --verify 0,1,2,3`). Rows between two entries take the
+# larger's; past the last entry nothing is measured and no step speculates.
+VERIFY_COST = {1: (1.45, 1.66, 1.78), 4: (1.50, 1.80, 2.02), 16: (1.52, 1.86, 1.97), 64: (1.27, 1.31, 1.31)}
+# A fresh engine expects each draft accepted with this probability (Qwen3.5's head on real text: acceptance lengths
+# ~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3), held as PRIOR_ROWS verified rows' worth of evidence.
+PRIOR_ACCEPTANCE, PRIOR_ROWS = 0.8, 8.0
+# The estimate forgets a verified row's evidence with this weight a row (~256 rows of memory).
+DECAY = 1.0 - 1.0 / 256
+# While the estimate keeps speculation off, one step in PROBE_EVERY that could verify does, to measure again.
+PROBE_EVERY = 128
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens a verify row emits on average with k drafts each accepted with probability `acceptance` (until the
+    first rejection): 1 + a + a^2 + ... + a^k."""
+    return sum(acceptance ** j for j in range(k + 1))
+
+
+def verify_cost(rows: int, k: int) -> float | None:
+    """VERIFY_COST of a step of `rows` rows with k drafts a row (None: not measured for that many rows)."""
+    measured = [size for size in VERIFY_COST if size >= rows]
+    return VERIFY_COST[min(measured)][k - 1] if measured else None
+
+
+class DraftPolicy:
+    """How many drafts a step's decoding rows verify. Speculation's fixed k: that many, always. By default: the k
+    that a step of that many rows would gain most from at the prior acceptance (`drafts_at`, so one verify program
+    serves each row count), on a step only while it pays at the acceptance measured so far: expected tokens a row
+    over the step's cost (VERIFY_COST) above one plain step's token. Host-side; the core records every verified
+    row."""
+
+    def __init__(self, spec: Speculation):
+        self.spec = spec
+        self.accepted = PRIOR_ACCEPTANCE * PRIOR_ROWS  # decayed sums: drafts accepted,
+        self.rejected = (1.0 - PRIOR_ACCEPTANCE) * PRIOR_ROWS  # and rounds that rejected one
+        self.plain_steps = 0  # steps that could have verified and did not, since the last verify step
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated probability that a draft is accepted (given the ones before it were)."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def drafts_at(self, rows: int) -> int:
+        """The drafts a row verifies when a step of `rows` decoding rows speculates (0: such a step never does)."""
+        if self.spec.fixed or not self.spec.num_drafts:
+            return self.spec.num_drafts
+        gains = [1.0] + [expected_tokens(k, PRIOR_ACCEPTANCE) / (verify_cost(rows, k) or float("inf"))
+                         for k in range(1, self.spec.num_drafts + 1)]
+        return max(range(len(gains)), key=gains.__getitem__)
+
+    def _pays(self, rows: int, k: int) -> bool:
+        return self.spec.fixed or expected_tokens(k, self.acceptance) > verify_cost(rows, k)
+
+    def drafts_for(self, rows: int) -> int:
+        """The drafts each of `rows` decoding rows verifies in the next step (0: a plain step). Counts the plain
+        steps that could have verified: while the measured acceptance keeps speculation off, every PROBE_EVERY-th
+        verifies anyway, so the estimate can recover."""
+        k = self.drafts_at(rows)
+        if k and (self._pays(rows, k) or self.plain_steps + 1 >= PROBE_EVERY):
+            self.plain_steps = 0
+            return k
+        self.plain_steps += bool(k)
+        return 0
+
+    def wants_drafts(self, rows: int) -> bool:
+        """Whether a plain step of `rows` decoding rows leaves drafts for the next step (the MTP head runs after
+        it): whether the next may verify."""
+        k = self.drafts_at(rows)
+        return bool(k) and (self._pays(rows, k) or self.plain_steps + 1 >= PROBE_EVERY)
+
+    def record(self, draft_len: int, emitted: list[int]) -> None:
+        """One verify row's rounds: round i emitted emitted[i] tokens, so it accepted emitted[i] - 1 of its
+        draft_len drafts and rejected the next one if one was left."""
+        for count in emitted:
+            self.accepted = self.accepted * DECAY + (count - 1)
+            self.rejected = self.rejected * DECAY + (count - 1 < draft_len)
 
 
 class VerifyOutput(NamedTuple):
+    """What `verify` emits for each verify row ([R, k+1] a row); step.verify_step's has several rounds' emitted
+    tokens one after another in a row's positions and num_emitted [R, rounds], each round's count."""
+
     tokens: jax.Array  # [R, k+1] i32: the emitted tokens first, then -1
     num_emitted: jax.Array  # [R] i32 in 1..k+1: accepted drafts + the target's own token
     logprobs: jax.Array  # [R, k+1] f32, raw log-softmax at each emitted token (0 past num_emitted)

@@ -201,41 +201,71 @@ def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.
 
 # ---- speculative decoding ------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "kernels", "draft_len",
-                                             "num_top_logprobs", "path"),
+                                             "rounds", "num_top_logprobs", "path"),
                    donate_argnames=("cache", "last_tokens", "drafts"), compiler_options=EXACT)
 def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.Array, buffer: jax.Array,
                 sampling: jax.Array, *, layout: Layout, sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh,
-                kernels: str, draft_len: int, num_top_logprobs: int, path: int
+                kernels: str, draft_len: int, rounds: int, num_top_logprobs: int, path: int
                 ) -> tuple[VerifyOutput, dict, jax.Array, jax.Array]:
-    """One step of speculative decoding over decoding requests, each running its last token (from the host or
-    `last_tokens`, as in `forward`) and the draft_len drafts proposed for it (row draft_source[r] of `drafts`
-    [S, draft_len]) as draft_len + 1 query tokens. Verifies the drafts (engine/speculative.py), sets every recurrent
-    state to the request's last emitted token and proposes the next drafts. Returns (VerifyOutput [R, ...] with
-    num_emitted 0 for padding requests, the cache, last_tokens with row r the request's last emitted token, drafts
-    with row r its next drafts)."""
+    """`rounds` rounds of speculative decoding over decoding requests in one program. In each, a request runs its
+    last token (at first from the host or `last_tokens`, as in `forward`; then the last one it emitted) and
+    draft_len drafts (at first the first draft_len of row draft_source[r] of `drafts` [S, D]; then the head's) as
+    draft_len + 1 query tokens after every token it emitted before; the round verifies them
+    (engine/speculative.py), sets every recurrent state to the request's last emitted token and has the head
+    propose D drafts for the next. A round costs the host nothing: one call for several, where a small batch's
+    step costs the host more to issue than the GPU to run (tokens past a request's end are computed and dropped).
+    Returns (VerifyOutput with each request's emitted tokens first in its row [R, rounds * (draft_len + 1)] and
+    num_emitted [R, rounds] each round's count, 0 for padding requests; the cache; last_tokens with row r the
+    request's last emitted token; drafts with row r its next drafts)."""
     tokens, batch, _ = step_batch(buffer, layout, last_tokens)
     draft_source = unpack(buffer, layout)["draft_source"]
-    requests = batch.query_len.shape[0]
+    requests, size = batch.query_len.shape[0], tokens.shape[0]
     live = batch.query_len > 0
-    proposed = drafts[draft_source]  # [R, draft_len]
+    rows = jnp.arange(requests)
     within = jnp.arange(draft_len + 1)[None, :]
     at = batch.query_start[:, None] + within  # [R, draft_len + 1]: each request's tokens on the token axis
-    tokens = tokens.at[jnp.where(live[:, None], at[:, 1:], tokens.shape[0])].set(proposed, mode="drop")
+    to = jnp.where(live[:, None], at, size)  # the same, padding requests' dropped
+    tensors = sampling_tensors(sampling, sampling_layout)
     ops = ops_for_mesh(cfg, mesh, kernels)
-    logits, cache, hidden, pending = decoder.verify_forward(params, cache, tokens, batch, cfg, ops, draft_len)
-    logits = jax.lax.with_sharding_constraint(logits[jnp.where(live[:, None], at, 0)], replicated(mesh))
-    out = verify(logits, proposed, sampling_tensors(sampling, sampling_layout), num_top_logprobs=num_top_logprobs,
-                 path=path)
-    emitted = jnp.where(live, out.num_emitted, 0)
-    cache = decoder.commit_verified_layers(cache, pending, batch, emitted)
-    last = out.tokens[jnp.arange(requests), jnp.maximum(emitted - 1, 0)]
-    # the head's tokens: each verified token's successor, the token emitted after it (0 past the emitted ones)
-    following = jnp.zeros(tokens.shape[0], jnp.int32).at[jnp.where(live[:, None], at, tokens.shape[0])].set(
-        jnp.maximum(out.tokens, 0), mode="drop")
-    next_drafts, cache = draft(params, cache, hidden, following, jnp.where(live, batch.query_start + emitted - 1, 0),
-                               live, batch, cfg, ops, draft_len)
-    return (out._replace(num_emitted=emitted), rules.constrain_cache(cfg, mesh, cache),
-            last_tokens.at[:requests].set(last), drafts.at[:requests].set(next_drafts))
+    width = rounds * (draft_len + 1)
+
+    def one(i, carry):
+        cache, last, proposed, emitted_before, out = carry
+        step_tokens = tokens.at[to[:, 0]].set(last, mode="drop").at[to[:, 1:]].set(proposed[:, :draft_len],
+                                                                                    mode="drop")
+        moved = batch._replace(positions=batch.positions + emitted_before[batch.token_request] * batch.token_valid,
+                               context_len=batch.context_len + emitted_before)
+        logits, cache, hidden, pending = decoder.verify_forward(params, cache, step_tokens, moved, cfg, ops,
+                                                                draft_len)
+        logits = jax.lax.with_sharding_constraint(logits[jnp.where(live[:, None], at, 0)], replicated(mesh))
+        # each position draws with the key of the output token it is: the row's count so far, as plain decoding
+        rng = tensors.rng + emitted_before[:, None].astype(jnp.uint32) * tensors.rng_step
+        verified = verify(logits, proposed[:, :draft_len], tensors._replace(rng=rng),
+                          num_top_logprobs=num_top_logprobs, path=path)
+        emitted = jnp.where(live, verified.num_emitted, 0)
+        cache = decoder.commit_verified_layers(cache, pending, moved, emitted)
+        last = verified.tokens[rows, jnp.maximum(emitted - 1, 0)]
+        # the head's tokens: each verified token's successor, the token emitted after it (0 past the emitted ones)
+        following = jnp.zeros(size, jnp.int32).at[to].set(jnp.maximum(verified.tokens, 0), mode="drop")
+        proposed, cache = draft(params, cache, hidden, following, jnp.where(live, batch.query_start + emitted - 1, 0),
+                                live, moved, cfg, ops, drafts.shape[1])
+        place = jnp.where(within < emitted[:, None], emitted_before[:, None] + within, width)  # after earlier rounds'
+        out = VerifyOutput(
+            out.tokens.at[rows[:, None], place].set(verified.tokens, mode="drop"),
+            out.num_emitted.at[:, i].set(emitted),
+            out.logprobs.at[rows[:, None], place].set(verified.logprobs, mode="drop"),
+            out.top_ids.at[rows[:, None], place].set(verified.top_ids, mode="drop"),
+            out.top_logprobs.at[rows[:, None], place].set(verified.top_logprobs, mode="drop"))
+        return cache, last, proposed, emitted_before + emitted, out
+
+    out = VerifyOutput(jnp.full((requests, width), -1, jnp.int32), jnp.zeros((requests, rounds), jnp.int32),
+                       jnp.zeros((requests, width), jnp.float32),
+                       jnp.zeros((requests, width, num_top_logprobs), jnp.int32),
+                       jnp.zeros((requests, width, num_top_logprobs), jnp.float32))
+    carry = (cache, tokens[batch.query_start], drafts[draft_source], jnp.zeros(requests, jnp.int32), out)
+    cache, last, proposed, _, out = jax.lax.fori_loop(0, rounds, one, carry)
+    return (out, rules.constrain_cache(cfg, mesh, cache), last_tokens.at[:requests].set(last),
+            drafts.at[:requests].set(proposed))
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh", "kernels", "draft_len"),

@@ -9,7 +9,7 @@ import pytest
 
 from qwen_jax import LLM, SamplingParams
 from qwen_jax.engine import step
-from qwen_jax.engine.speculative import num_speculative_tokens
+from qwen_jax.engine.speculative import MAX_DRAFTS, speculation
 
 
 def greedy(max_tokens, **extra):
@@ -19,7 +19,7 @@ def greedy(max_tokens, **extra):
 @pytest.fixture(scope="module")
 def plain(hybrid_mtp_dir, kit):
     """The same model (its head loaded and unused) without speculation."""
-    return LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)
+    return LLM(hybrid_mtp_dir, speculative_config="off", **kit.ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda k: f"k{k}")
@@ -131,11 +131,65 @@ def test_a_model_without_an_mtp_head_cannot_speculate(hybrid_dir, kit):
 
 @pytest.mark.parametrize("config, problem", [
     ({"method": "ngram", "num_speculative_tokens": 2}, "method"),
-    ({"method": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": -1}, "num_speculative_tokens"),
     ({"method": "mtp", "num_speculative_tokens": 9}, "num_speculative_tokens"),
     ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown"),
     ("{not json", "JSON"),
 ])
 def test_a_bad_speculative_config_is_a_clear_error(config, problem):
     with pytest.raises(ValueError, match=problem):
-        num_speculative_tokens(config)
+        speculation(config)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_several_rounds_a_program_emit_what_plain_decoding_emits(plain, hybrid_mtp_dir, kit, k):
+    """With several decode steps a program (num_scheduler_steps 4), a few rows verify four rounds in one program,
+    each round's positions after the tokens emitted before it: greedy and seeded rows, rows that end inside a
+    program (EOS, max_tokens) and rows joining later give plain decoding's tokens."""
+    llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k},
+              **dict(kit.ENGINE_ARGS, num_scheduler_steps=4))
+    prompts = [kit.prompt(n, seed=1010 + n) for n in (7, 18, 29)] + [kit.EOS_PROMPT]
+    params = [greedy(21, ignore_eos=True), SamplingParams(max_tokens=17, temperature=0.9, seed=3, ignore_eos=True),
+              greedy(6, ignore_eos=True), greedy(15)]
+    got, expected = llm.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [(o.finish_reason, o.stop_reason) for o in got] == [(o.finish_reason, o.stop_reason) for o in expected]
+    for one, params_one in zip(prompts, params):  # alone: every program is four rounds of one row
+        assert llm.generate([one], params_one)[0].token_ids == plain.generate([one], params_one)[0].token_ids
+    stats = llm.engine.stats()
+    assert stats["spec_drafted_tokens_total"] == k * stats["spec_verified_rows_total"] > 0
+    kit.assert_idle(llm)
+
+
+def test_by_default_a_model_with_a_head_speculates_where_it_pays(plain, hybrid_mtp_dir, kit, monkeypatch):
+    """No speculative_config: the policy verifies drafts while the measured acceptance pays for them; once it does
+    not (here: the estimate forced down), decode steps run plain and skip the head, and every PROBE_EVERY-th verifies
+    again. Outputs are plain decoding's throughout."""
+    from qwen_jax.engine import speculative
+
+    monkeypatch.setattr(speculative, "PROBE_EVERY", 3)
+    llm = LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)
+    policy = llm.engine.replicas[0].scheduler.speculation
+    assert policy is not None and policy.drafts_at(1) == MAX_DRAFTS
+    prompts = [kit.prompt(n, seed=1030 + n) for n in (9, 26)]
+    params = greedy(24, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    verified = llm.engine.stats()["spec_verified_rows_total"]
+    assert verified > 0
+    policy.accepted, policy.rejected = 0.0, 1e6  # as if no draft had ever been accepted
+    steps = llm.engine.num_steps
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    probes = llm.engine.stats()["spec_verified_rows_total"] - verified
+    plain_steps = llm.engine.num_steps - steps
+    assert 0 < probes and plain_steps > probes  # mostly plain steps, a probe now and then
+    assert llm.engine.replicas[0].scheduler.speculation.acceptance < 0.1
+    kit.assert_idle(llm)
+
+
+def test_speculation_off_and_models_without_a_head_run_plain(hybrid_dir, kit):
+    llm = LLM(hybrid_dir, **kit.ENGINE_ARGS)  # the default asks for the head only where there is one
+    assert llm.engine.replicas[0].scheduler.speculation is None
+    assert speculation("off") == speculation({"method": "mtp", "num_speculative_tokens": 0}) == (0, False)
+    assert speculation(None, has_mtp=False).num_drafts == 0
+    assert speculation('{"method": "mtp"}') == (MAX_DRAFTS, False)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from qwen_jax.engine import speculative
 from qwen_jax.engine.sampler import SamplingTensors, cut_path, sample, target_logits
-from qwen_jax.engine.speculative import verify
+from qwen_jax.engine.speculative import DraftPolicy, Speculation, expected_tokens, verify
 from qwen_jax.sampling_params import SamplingParams
 
 
@@ -106,3 +107,27 @@ def test_each_emitted_token_is_the_plain_samplers_draw_with_that_positions_key()
         for r in range(rows):
             assert tokens[r, :emitted[r]].tolist() == plain[r, :emitted[r]].tolist()
             assert emitted[r] == 1 + next((j for j in range(k) if drafts[r, j] != plain[r, j]), k)
+
+
+def test_the_policy_picks_drafts_by_rows_and_turns_off_where_they_do_not_pay():
+    policy = DraftPolicy(Speculation(3, fixed=False))
+    largest = max(speculative.VERIFY_COST)
+    assert policy.drafts_at(1) > 0 and policy.drafts_at(largest + 1) == 0  # unmeasured batch sizes: no verify
+    assert expected_tokens(2, 0.5) == 1.75 and expected_tokens(3, 1.0) == 4
+    k = policy.drafts_at(1)
+    assert policy.drafts_for(1) == k and policy.wants_drafts(1)  # the prior acceptance pays
+    for _ in range(80):  # rounds that accept nothing
+        policy.record(k, [1])
+    assert policy.acceptance < 0.1
+    drawn = [policy.drafts_for(1) for _ in range(2 * speculative.PROBE_EVERY)]
+    assert drawn.count(k) == 2 and set(drawn) == {0, k}  # plain steps, a probe every PROBE_EVERY
+    for _ in range(200):  # then every draft accepted again
+        policy.record(k, [k + 1])
+    assert policy.acceptance > 0.9 and policy.drafts_for(1) == k
+
+
+def test_a_fixed_draft_count_always_verifies():
+    policy = DraftPolicy(Speculation(2, fixed=True))
+    for _ in range(50):
+        policy.record(2, [1])
+    assert [policy.drafts_for(rows) for rows in (1, 64, 1000)] == [2, 2, 2]
