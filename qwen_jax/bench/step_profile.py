@@ -1,7 +1,8 @@
 """Step time of the served step (engine/step.py: the forward and the sampler, issued one step ahead as the engine
 core issues them) for decode batches and one-prompt prefills, next to the memory roofline (decode) and the FLOP rate
 (prefill), plus one layer of each kind timed alone: where a step's time goes. A decode batch runs as many decode
-steps per program as the engine would run it (num_scheduler_steps).
+steps per program as the engine would run it (num_scheduler_steps). `--verify`: speculative decoding's verify step
+for k drafts a row (step.verify_step, on a runner that drafts k), next to the plain decode step of that runner.
 
 Random weights with the real shapes (`dummy`); reads nothing from disk but config.json. Fake sequences stand in for
 requests (no scheduler runs). Prints one JSON line per measurement, then the whole report as JSON.
@@ -10,6 +11,7 @@ requests (no scheduler runs). Prints one JSON line per measurement, then the who
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -21,6 +23,7 @@ import numpy as np
 
 from qwen_jax.bench.gpu_profile import profile_calls
 from qwen_jax.bench.roofline import H200_TBPS, decode_bytes, prefill_flops_per_token
+from qwen_jax.bench.speculative import spec_config
 from qwen_jax.config import load_config
 from qwen_jax.engine import step
 from qwen_jax.engine.core import engine_args
@@ -28,6 +31,7 @@ from qwen_jax.engine.replica import DECODE_STEPS, Replica
 from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
+from qwen_jax.engine.speculative import speculation
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.gated_deltanet import gdn_layer
@@ -65,31 +69,40 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 3)
 
 
-def time_steps(runner: ModelRunner, rows: list[Row], steps: int) -> dict:
-    """The step of `rows` run `steps` times, each issued before the previous one's tokens are read back (the engine
-    core's order). Median milliseconds of each iteration (in steady state: the step's time) and of its host parts:
-    building the step's inputs, issuing its programs, waiting for the previous step's tokens. The first step
-    (compiling its programs) is timed apart."""
+def time_steps(runner: ModelRunner, rows: list[Row], steps: int, ahead: bool = True) -> dict:
+    """The step of `rows` run `steps` times in the engine core's order: each issued before the previous one's tokens
+    are read back (`ahead`, plain steps), or each read back before the next is built (a verify step: how many tokens
+    a row emitted decides where its next step starts). Median milliseconds of each iteration (in steady state: the
+    step's time) and of its host parts: building the step's inputs, issuing its programs, waiting for the previous
+    (or this) step's tokens. The first step (compiling its programs) is timed apart."""
     t0 = time.perf_counter()
     runner.fetch(runner.execute(runner.prepare(rows)))
     first = time.perf_counter() - t0
     parts = {"prepare": [], "issue": [], "wait": [], "step": []}
-    previous = runner.execute(runner.prepare(rows))
+    previous = runner.execute(runner.prepare(rows)) if ahead else None
     for _ in range(steps):
         t = [time.perf_counter()]
         ops = runner.prepare(rows)
         t.append(time.perf_counter())
         out = runner.execute(ops)
         t.append(time.perf_counter())
-        runner.fetch(previous)
+        runner.fetch(previous if ahead else out)
         t.append(time.perf_counter())
         previous = out
         for key, a, b in zip(("prepare", "issue", "wait"), t, t[1:]):
             parts[key].append(b - a)
         parts["step"].append(t[-1] - t[0])
-    runner.fetch(previous)
+    if ahead:
+        runner.fetch(previous)
     return {"compile_and_first_s": round(first, 2), "step_ms": _median_ms(parts.pop("step")),
             "host_ms": {k: _median_ms(v) for k, v in parts.items()}}
+
+
+def gpu_ms(runner: ModelRunner, rows: list[Row]) -> float:
+    """GPU busy milliseconds of one step of `rows`, the MTP head's drafts included (the last thing a step of a
+    runner that speculates writes)."""
+    return profile_calls(lambda: (runner.execute(runner.prepare(rows)).tokens, runner.drafts), calls=3,
+                         top=0)["gpu_busy_ms_per_call"]
 
 
 def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, bandwidth: float,
@@ -113,17 +126,34 @@ def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, b
     return row
 
 
-def verify_row(runner: ModelRunner, cfg, batch: int, drafts: int, context: int, steps: int) -> dict:
-    """The main model's step of speculative decoding's verification: `batch` rows of drafts + 1 query tokens each
-    (a row's last token and its drafts) at positions context..context+drafts, as one step of the ragged batch; its
-    wall time and GPU time. (A verify step also takes logits at every position and keeps each position's GDN
-    state; not here: the LM head reads its weight once whatever the rows, and the states are written once.)"""
-    seqs = fake_sequences(batch, context + drafts + 1, cfg.vocab_size, 2)
-    rows = [Row(seq, context, drafts + 1, samples=True) for seq in seqs]
-    timed = time_steps(runner, rows, steps)
-    gpu = profile_calls(lambda: runner.execute(runner.prepare(rows)).tokens, calls=3, top=0)
-    return {"verify_batch": batch, "draft_tokens": drafts, "context": context, **timed,
-            "gpu_ms": gpu["gpu_busy_ms_per_call"]}
+def verify_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int) -> dict:
+    """Speculative decoding's step of `batch` decoding rows at position `context` on a runner that drafts
+    k = runner.num_speculative_tokens tokens. k = 0: the plain one-token decode step. Else the verify step as the
+    scheduler makes it (each row its last token and k drafts, Scheduler._speculate, in as many rounds a program as
+    the engine runs for that many rows): step.verify_step verifies the drafts the head left on the device, commits
+    every recurrent state and drafts the next k, round after round, and each program is read back before the next
+    is built. Wall and GPU time of a program and of each round."""
+    k = runner.num_speculative_tokens
+    rounds = runner.verify_rounds(batch, k) if k else 1
+    # blocks for every round's tokens and the positions its last drafts are made at
+    seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 2, rounds * (k + 1) + k)
+    row = {"verify_batch": batch, "draft_tokens": k, "rounds": rounds, "context": context}
+    if not k:
+        plain = [Row(seq, context, 1, samples=True) for seq in seqs]
+        return {**row, **time_steps(runner, plain, steps), "gpu_ms": gpu_ms(runner, plain)}
+    verify = [Row(seq, context, k + 1, samples=True, drafts=k, steps=rounds) for seq in seqs]
+    row.update(time_steps(runner, verify, steps, ahead=False), gpu_ms=gpu_ms(runner, verify))
+    return {**row, "round_ms": round(row["step_ms"] / rounds, 3), "round_gpu_ms": round(row["gpu_ms"] / rounds, 3)}
+
+
+def free_cache(runner: ModelRunner) -> None:
+    """Delete a runner's cache and step state on the device now, not whenever the collector runs (the params stay:
+    the next runner shares them), so the device holds one runner's cache at a time."""
+    state = (runner.cache, runner.snapshots, runner.penalty_counts, runner.last_tokens, runner.drafts)
+    jax.block_until_ready(state)
+    for array in jax.tree.leaves(state):
+        array.delete()
+    gc.collect()
 
 
 def prefill_row(runner: ModelRunner, cfg, length: int, steps: int, profile: int) -> dict:
@@ -203,31 +233,41 @@ def main(argv: Seq[str] | None = None) -> dict:
     ap.add_argument("--prefill", default="",
                     help="comma-separated prompt lengths: time the step that prefills one prompt of each length")
     ap.add_argument("--verify", default="",
-                    help="comma-separated draft counts k: time each decode batch's verify step with k drafts a row")
+                    help="comma-separated draft counts k (0..3; k > 0 needs a config with an MTP head): time each "
+                         "decode batch's verify step with k drafts a row, and the plain step (k = 0: without the head)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="one replica over this many devices")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="experts split over the devices (EP)")
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer-kind breakdown")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
-    batches, prefills, drafts = _ints(args.batches), _ints(args.prefill), _ints(args.verify)
+    batches, prefills, drafts = _ints(args.batches), _ints(args.prefill), sorted(set(_ints(args.verify)))
+    for k in drafts:  # a bad k fails before any weights are made
+        speculation(spec_config(k))
+    if any(drafts) and not cfg.has_mtp:
+        raise ValueError("--verify with k > 0 needs a config with an MTP head (mtp_num_hidden_layers 1)")
     mesh = make_mesh(args.tensor_parallel_size, 1, args.enable_expert_parallel)
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
     ahead = args.num_scheduler_steps or DECODE_STEPS  # decode steps a program may run past the context
-    longest = max([args.context + ahead, *prefills])
+    # positions past the context a decode row (or a verify row's rounds and their drafts) writes
+    room = max([ahead, *(ahead * (k + 1) + k for k in drafts)])
+    longest = max([args.context + room, *prefills])
     # KV blocks for every decode row's context; a prefill reuses the first rows' blocks.
-    blocks = max(max(batches, default=0) * blocks_for(args.context + 1, ahead), blocks_for(longest))
-    verify_tokens = [b * (k + 1) for b in batches for k in drafts]
-    if drafts and max(drafts) >= ahead:
-        raise ValueError(f"--verify: at most {ahead - 1} drafts (the rows' KV blocks cover {ahead} tokens ahead)")
-    sizes = engine_args(dict(max_num_seqs=max(batches, default=1),
-                             max_num_batched_tokens=max([*batches, *prefills, *verify_tokens]),
-                             block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks,
-                             num_scheduler_steps=args.num_scheduler_steps, kernels=args.kernels))
-    runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
-    # every bucket the run needs, compiled up front several at once (as the engine's warm-up does)
-    runner.compile(sorted({step.bucket_for(n, runner.token_buckets) for n in [*batches, *prefills, *verify_tokens]}))
+    blocks = max(max(batches, default=0) * blocks_for(args.context + 1, room), blocks_for(longest))
+
+    def build_runner(k: int, token_counts: list[int]) -> ModelRunner:
+        """A runner over `params` that drafts k tokens a row (0: none), with the buckets of `token_counts` compiled
+        up front several at once (as the engine's warm-up does)."""
+        sizes = engine_args(dict(max_num_seqs=max(batches, default=1), max_num_batched_tokens=max(token_counts),
+                                 block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks,
+                                 num_scheduler_steps=args.num_scheduler_steps,
+                                 kernels=args.kernels, speculative_config=spec_config(k)))
+        runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
+        runner.compile(sorted({step.bucket_for(n, runner.token_buckets) for n in token_counts}))
+        return runner
+
+    runner = build_runner(0, [*batches, *prefills])
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,
-              "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "verify": [], "prefill": [], "layers": [],
+              "kernels": args.kernels, "mesh": describe(mesh), "decode": [], "prefill": [], "layers": [], "verify": [],
               "param_gib_per_device": [round(b / 2**30, 2) for b in rules.bytes_per_device(params).values()]}
     print(json.dumps({k: report[k] for k in ("mesh", "param_gib_per_device")}), flush=True)
     for b in batches:
@@ -236,10 +276,6 @@ def main(argv: Seq[str] | None = None) -> dict:
                                       for d in mesh.devices.flat]
         report["decode"].append(row)
         print(json.dumps(row), flush=True)
-    for b in batches:
-        for k in drafts:
-            report["verify"].append(verify_row(runner, cfg, b, k, args.context, args.steps))
-            print(json.dumps(report["verify"][-1]), flush=True)
     for length in prefills:
         report["prefill"].append(prefill_row(runner, cfg, length, max(1, args.steps // 4), args.profile))
         print(json.dumps(report["prefill"][-1]), flush=True)
@@ -247,6 +283,14 @@ def main(argv: Seq[str] | None = None) -> dict:
         for b in batches:
             report["layers"].append(layer_row(runner, cfg, b, args.context))
             print(json.dumps(report["layers"][-1]), flush=True)
+    # one runner per k, each over the same params; a runner's cache is freed before the next one's is made
+    for k in drafts:
+        if k:
+            free_cache(runner)
+            runner = build_runner(k, [*batches, *(b * (k + 1) for b in batches)])
+        for b in batches:
+            report["verify"].append(verify_row(runner, cfg, b, args.context, args.steps))
+            print(json.dumps(report["verify"][-1]), flush=True)
     print(json.dumps(report), flush=True)
     return report
 

@@ -24,7 +24,7 @@ from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
-from qwen_jax.engine.speculative import VerifyOutput, speculation
+from qwen_jax.engine.speculative import MAX_DRAFTS, VerifyOutput, speculation
 from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
@@ -170,8 +170,9 @@ class EngineCore:
         self.plan_seconds = 0.0  # of which scheduling, building and issuing the next step
         self.dispatch_seconds = 0.0  # of which the calls that issue its programs
         # speculative decoding: rows verified, drafts proposed to them, drafts accepted (acceptance length: 1 +
-        # accepted / verified rows tokens a row a step)
+        # accepted / verified rows tokens a row a step), and of the accepted, how many were a row's j-th draft
         self.spec_rows = self.spec_drafted = self.spec_accepted = 0
+        self.spec_accepted_at = [0] * MAX_DRAFTS
         # $QWEN_JAX_STEP_TRACE: a file that gets one JSON line per step (its plan, host times and device wait), to
         # see where a served workload's time goes step by step.
         trace = os.environ.get("QWEN_JAX_STEP_TRACE")
@@ -358,6 +359,9 @@ class EngineCore:
                 self.spec_rows += row.steps
                 self.spec_drafted += row.steps * row.drafts
                 self.spec_accepted += count - row.steps
+                for n in rounds:  # a round's accepted drafts are its first n - 1
+                    for j in range(n - 1):
+                        self.spec_accepted_at[j] += 1
                 step.replica.scheduler.speculation.record(row.drafts, rounds)
             try:
                 out = self._apply_row(step.replica, row, host, i, count)
@@ -457,6 +461,7 @@ class EngineCore:
                 "step_plan_seconds_total": self.plan_seconds, "step_dispatch_seconds_total": self.dispatch_seconds,
                 "spec_verified_rows_total": self.spec_rows, "spec_drafted_tokens_total": self.spec_drafted,
                 "spec_accepted_tokens_total": self.spec_accepted,
+                "spec_accepted_tokens_per_position": list(self.spec_accepted_at),
                 "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total}
 

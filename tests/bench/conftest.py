@@ -1,4 +1,5 @@
-"""A tiny fake OpenAI-compatible server (Quart on hypercorn, in the test's own event loop) and the real tokenizer.
+"""A tiny fake OpenAI-compatible server (Quart on hypercorn, in the test's own event loop), the real tokenizer, and
+the tiny hybrid model with an MTP head.
 
 The fake streams one known token per chunk at a fixed pace, so client timings and counts can be asserted exactly.
 """
@@ -20,6 +21,7 @@ import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from quart import Quart, Response, request
+from tiny_models import add_copy_mtp_head, build_hybrid
 
 from qwen_jax.bench.results import REPO_ROOT
 from qwen_jax.bench.serve import load_tokenizer
@@ -146,3 +148,12 @@ def fake_server() -> Callable:
 def threaded_server() -> Callable:
     """A context manager: `with threaded_server(tokenizer, **behaviour) as (base_url, behaviour)`."""
     return threaded_fake_server
+
+
+@pytest.fixture(scope="session")
+def hybrid_mtp_dir(tmp_path_factory) -> str:
+    """The engine tests' tiny hybrid Qwen3.5-MoE (float32, the default model's tokenizer) with a head that drafts
+    often right (tests/tiny_models.py)."""
+    root = tmp_path_factory.mktemp("bench_models")
+    build_hybrid(root / "hybrid")
+    return add_copy_mtp_head(root / "hybrid", root / "hybrid_mtp")

@@ -44,6 +44,10 @@ def test_greedy_outputs_equal_plain_decoding(plain, speculative, kit):
     rows = stats["spec_verified_rows_total"]
     assert rows > 0 and stats["spec_drafted_tokens_total"] == k * rows
     assert stats["spec_accepted_tokens_total"] > 0  # some drafts were right: partly accepted rows ran
+    # a row accepts its drafts in order: as many at each position as at any later one, none past k
+    per_position = stats["spec_accepted_tokens_per_position"]
+    assert sum(per_position) == stats["spec_accepted_tokens_total"]
+    assert per_position[:k] == sorted(per_position[:k], reverse=True) and not any(per_position[k:])
     kit.assert_idle(llm)
 
 
