@@ -136,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--data", default=DEFAULT_DATA, help="GSM8K jsonl (held out: the test split)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "gpu", "reference"))
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine argument (default: the engine's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="engine argument (default: the engine's); fewer token buckets compile faster")
+    ap.add_argument("--max-model-len", type=int, default=None, help="engine argument (default: the engine's)")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="submit the prompts one by one (batch size 1, where speculation pays most)")
     ap.add_argument("--results", default=DEFAULT_RESULTS, help="RESULTS.json to append to; 'none' to skip")
@@ -155,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     levels, reference = [], None
     for k in drafts:
         in_use = _device_gib_in_use()
-        llm = LLM(args.model, speculative_config=spec_config(k), kernels=args.kernels, max_num_seqs=args.max_num_seqs)
+        llm = LLM(args.model, speculative_config=spec_config(k), kernels=args.kernels, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
         if llm.engine.on_accelerator:  # every step program compiled before the clock starts
             llm.engine.warmup(full=True)
         level, tokens = measure(llm, k, prompts, args.max_tokens, args.one_at_a_time)
