@@ -4,6 +4,13 @@ tensors included, which stay at the top level in every layout, as vLLM's Qwen3_5
 
 Tensors are read and placed one at a time (memory-mapped on the host, never a second full copy); every
 missing or misshapen tensor is named in the error.
+
+`dummy_echo` (a benchmarking aid for speculative decoding, which random weights accept no draft of): the `dummy`
+weights with every residual writer zero, so the residual stream stays the token's embedding and the model's greedy
+next token is a function of the current token alone, f(x) = argmax lm_head(final_norm(embed(x))); and the MTP head
+set to draft that same f of the token it is fed (`echo_params`). Speculation then accepts every draft (but for
+rounding), the outputs are plain decoding's, and every program costs what it costs with random weights (the same
+shapes and router weights, so MoE routing is random weights' too).
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ import struct
 from collections.abc import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
-from qwen_jax.models.decoder import param_shapes, random_params
+from qwen_jax.models.decoder import RESIDUAL_WRITERS, param_shapes, random_params
 
 _ST_DTYPES = {
     "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
@@ -373,3 +381,46 @@ def dummy_params(cfg: ModelConfig, seed: int = 0, shardings: dict | None = None)
     """`--load-format dummy`: random weights with the real shapes, made on the devices; with `shardings` (a pytree
     like param_shapes) each device draws only its own shards (no full copy of the weights on any device)."""
     return random_params(cfg, seed, shardings=shardings)
+
+
+def _zeros(shape: tuple, dtype) -> jax.Array:
+    return jnp.zeros(shape, dtype)
+
+
+def _ones(shape: tuple, dtype) -> jax.Array:
+    return jnp.ones(shape, dtype)
+
+
+def _eye(shape: tuple, dtype) -> jax.Array:
+    return jnp.eye(*shape, dtype=dtype)
+
+
+def _refilled(leaf: jax.Array, fill: Callable[[tuple, object], jax.Array]) -> jax.Array:
+    """fill(shape, dtype) in `leaf`'s place, made in its shards once its buffers are freed (memory stays flat)."""
+    shape, dtype, sharding = leaf.shape, leaf.dtype, leaf.sharding
+    leaf.delete()
+    return jax.jit(fill, static_argnums=(0, 1), out_shardings=sharding)(shape, dtype)
+
+
+def echo_params(cfg: ModelConfig, params: dict) -> dict:
+    """`--load-format dummy_echo` (module docstring) from `params` (the dummy weights), each new leaf made in the
+    shards of the one it replaces. Consumes `params`: the replaced leaves are deleted.
+
+    - Every residual writer (decoder.RESIDUAL_WRITERS) of every layer, the head's included, is zero: each layer adds
+      exact zeros, so the main model's logits at a token are lm_head(final_norm(embed(token))).
+    - The head: `fc` is [I; 0] ([2H, H], embedding rows first), so it passes pre_fc_norm_embedding(embed(token))
+      through and drops the hidden state; its layer adds zeros; pre_fc_norm_embedding scales by 1 and its final norm
+      has the main final norm's weight. RMSNorm with scale 1 is idempotent (up to eps and rounding), so its logits
+      lm_head(final_norm(norm(embed(token)))) are the main model's for the token it is fed: it drafts what the
+      verifier will emit."""
+    echoed = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _refilled(leaf, _zeros) if str(path[-1].key) in RESIDUAL_WRITERS else leaf, params)
+    if cfg.has_mtp:
+        head = echoed["mtp"]
+        unit_scale = _zeros if cfg.norm_plus_one else _ones  # the norm's weight w scales by 1 + w or by w
+        final_norm_sharding = head["final_norm"].sharding
+        head["final_norm"].delete()
+        echoed["mtp"] = {**head, "fc": _refilled(head["fc"], _eye),
+                         "pre_fc_norm_embedding": _refilled(head["pre_fc_norm_embedding"], unit_scale),
+                         "final_norm": jax.device_put(echoed["final_norm"], final_norm_sharding, may_alias=False)}
+    return echoed

@@ -34,7 +34,7 @@ import numpy as np
 
 from qwen_jax.config import load_config
 from qwen_jax.engine.skeleton import Engine
-from qwen_jax.models.decoder import param_names, random_params
+from qwen_jax.models.decoder import RESIDUAL_WRITERS, param_names, random_params
 from qwen_jax.weights import dummy_params
 
 WINDOW = 32  # decode steps per relative-error window
@@ -63,11 +63,6 @@ def _compare(ref: jax.Array, gpu: jax.Array) -> dict:
     }
 
 
-# The projections whose outputs are added to the residual stream: attention's o, Gated DeltaNet's out, the MLP's
-# and the experts' down projections.
-RESIDUAL = ("o", "out", "w_down", "shared_down")
-
-
 def residual_scales(cfg, embed_scale: float | None, residual_scale: float | None) -> dict[str, float]:
     """random_params' per-leaf stds for --embed-scale / --residual-scale (those of this model's leaves).
 
@@ -79,7 +74,7 @@ def residual_scales(cfg, embed_scale: float | None, residual_scale: float | None
     names = param_names(cfg)
     scales = {} if embed_scale is None else {"embed": embed_scale}
     if residual_scale is not None:
-        scales |= {name: residual_scale for name in RESIDUAL if name in names}
+        scales |= {name: residual_scale for name in RESIDUAL_WRITERS if name in names}
     return scales
 
 

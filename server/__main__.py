@@ -23,7 +23,7 @@ log = logging.getLogger("qwen_jax.server")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: vllm-serve's flag names; every flag's help ends with its default."""
-    from qwen_jax import ENGINE_ARGS
+    from qwen_jax import ENGINE_ARGS, LOAD_FORMATS
 
     def engine(name: str, text: str) -> str:
         """Help for an engine flag, whose default is the engine's (ENGINE_ARGS) and is shown as such."""
@@ -78,9 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=engine("gpu_memory_utilization", "fraction of device memory for weights and cache"))
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help=engine("enable_prefix_caching", "reuse the cache of a prompt's already computed prefix"))
-    p.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
                    help=engine("load_format", "auto reads the checkpoint; dummy makes random weights of its shapes "
-                                              "(config.json alone is needed)"))
+                                              "(config.json alone is needed); dummy_echo, a benchmarking aid for "
+                                              "--speculative-config, makes those weights with every layer's "
+                                              "residual writers zero and the MTP head drafting what the model will "
+                                              "emit: every draft is accepted at random weights' cost"))
     p.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
                    help=engine("dtype", "weights' and activations' type; auto: the checkpoint's"))
     p.add_argument("--seed", type=int, default=None,

@@ -28,12 +28,15 @@ from qwen_jax.engine.speculative import MAX_DRAFTS, VerifyOutput, speculation
 from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
-from qwen_jax.weights import TensorSource, dummy_params, load_params, open_checkpoint, resolve_mtp
+from qwen_jax.weights import TensorSource, dummy_params, echo_params, load_params, open_checkpoint, resolve_mtp
 from sharding import distributed, mesh, rules
 from sharding.ops import ops_for_mesh
 
 log = logging.getLogger("qwen_jax")
 
+# The load formats that make weights instead of reading them (only config.json is needed).
+RANDOM_LOAD_FORMATS = ("dummy", "dummy_echo")
+LOAD_FORMATS = ("auto", *RANDOM_LOAD_FORMATS)
 ENGINE_ARGS = dict(
     max_model_len=None,  # default: the model's max_position_embeddings, capped at 8192
     max_num_seqs=64,  # per data-parallel replica (as vLLM's is per DP rank)
@@ -45,7 +48,10 @@ ENGINE_ARGS = dict(
     tensor_parallel_size=1,
     data_parallel_size=1,  # D independent replicas, replica i on devices [i*tp, (i+1)*tp)
     enable_expert_parallel=False,
-    load_format="auto",  # "auto": read the checkpoint; "dummy": random weights with the real shapes
+    # "auto": read the checkpoint; "dummy": random weights with the real shapes; "dummy_echo" (a benchmarking aid for
+    # speculative decoding): those weights with the main layers' residual writers zero and the MTP head set to
+    # draft what the main model will emit, so every draft is accepted at random weights' cost (weights.echo_params)
+    load_format="auto",
     dtype="auto",
     tokenizer=None,  # a tokenizer directory (or hub id in the local cache) other than the model's
     kernels="auto",  # "gpu": the kernels of pallas_kernels/ for the ops that have one; "reference": the jnp ops;
@@ -133,7 +139,9 @@ class EngineCore:
                  "the jnp references", args["kernels"])
         args["kernels"] = kernels  # what every replica compiles
         cfg = read_model_config(model_path, args["dtype"])
-        source = None if args["load_format"] == "dummy" else open_checkpoint(model_path)[1]
+        if args["load_format"] not in LOAD_FORMATS:
+            raise ValueError(f"load_format {args['load_format']!r}: expected one of {', '.join(LOAD_FORMATS)}")
+        source = None if args["load_format"] in RANDOM_LOAD_FORMATS else open_checkpoint(model_path)[1]
         cfg = self.cfg = cfg if source is None else resolve_mtp(cfg, source)
         speculation(args["speculative_config"], cfg.has_mtp)  # a config the model cannot serve fails here
         # a head layout the partitioned ops cannot split fails here, not mid-step
@@ -193,6 +201,8 @@ class EngineCore:
             for i in local:
                 params[i] = dummy_params(cfg, seed=args["seed"],
                                          shardings=rules.param_shardings(cfg, replica_meshes[i]))
+                if args["load_format"] == "dummy_echo":
+                    params[i] = echo_params(cfg, params[i])
             return params
         places = [rules.make_place(cfg, replica_meshes[i]) for i in local]
         copies = load_params(cfg, source,

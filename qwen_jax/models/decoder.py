@@ -64,6 +64,10 @@ def _mlp_shapes(cfg: ModelConfig, moe: bool) -> dict:
 
 # Parameters kept in float32 whatever the model dtype (HF computes with them in float32).
 FLOAT32_PARAMS = ("A_log", "dt_bias")
+# The leaves whose outputs are added to the residual stream (decoder_layer's two `x + h`): attention's output
+# projection and its bias, Gated DeltaNet's output projection, the dense MLP's and every expert's down projection, the
+# shared expert's down projection.
+RESIDUAL_WRITERS = ("o", "o_bias", "out", "w_down", "shared_down")
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
