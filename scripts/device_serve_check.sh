@@ -12,7 +12,9 @@ export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0 QWEN_JAX_LOG="$OUT/server.log" QWE
 [[ "${STEP_TRACE:-0}" == 1 ]] && export QWEN_JAX_STEP_TRACE="$OUT/steps.jsonl"
 # LOG_COMPILES=1: JAX logs every compile; those after the warm-up are printed at the end
 [[ "${LOG_COMPILES:-0}" == 1 ]] && export JAX_LOG_COMPILES=1
-ARGS=(--model "$MODEL" --load-format dummy --max-model-len "${MAX_MODEL_LEN:-4096}" --max-num-seqs
+# LOAD_FORMAT=dummy_echo: full acceptance of the MTP head's drafts (weights.py); SPEC_CONFIG: --speculative-config
+ARGS=(--model "$MODEL" --load-format "${LOAD_FORMAT:-dummy}" ${SPEC_CONFIG:+--speculative-config "$SPEC_CONFIG"}
+      --max-model-len "${MAX_MODEL_LEN:-4096}" --max-num-seqs
       "${MAX_NUM_SEQS:-256}" --kernels "${KERNELS:-auto}" --port 8000 --compilation-cache-dir /tmp/qwen_jax_cc)
 URL=http://127.0.0.1:8000
 now() { date +%s.%N; }
@@ -44,9 +46,10 @@ for c in ${LEVELS:-1 64 256}; do
   timeout 400 python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" --concurrency "$c" \
     --waves 1 --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
     --device-count 1 --layout TP=1 --weights random --model-config "$MODEL/config.json" --no-progress \
-    --label "kernels=${KERNELS:-auto} max_num_seqs=${MAX_NUM_SEQS:-256}" > "$OUT/serve_c$c.txt" 2>&1
+    --label "kernels=${KERNELS:-auto} max_num_seqs=${MAX_NUM_SEQS:-256} load_format=${LOAD_FORMAT:-dummy} speculative_config=${SPEC_CONFIG:-default}" > "$OUT/serve_c$c.txt" 2>&1
   kill $smi
   grep -A3 "^ conc" "$OUT/serve_c$c.txt" | head -3
+  grep "speculative decoding" "$OUT/serve_c$c.txt"
   # over the requests' span: from the first sample with a kernel running to the last (the client first builds its
   # prompts, seconds with an idle GPU)
   python3 -c "import sys; v = [float(x) for x in open(sys.argv[1]) if x.strip()]; on = [i for i, x in enumerate(v) if x > 0];
