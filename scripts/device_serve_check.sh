@@ -12,7 +12,8 @@ export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0 QWEN_JAX_LOG="$OUT/server.log" QWE
 [[ "${STEP_TRACE:-0}" == 1 ]] && export QWEN_JAX_STEP_TRACE="$OUT/steps.jsonl"
 # LOG_COMPILES=1: JAX logs every compile; those after the warm-up are printed at the end
 [[ "${LOG_COMPILES:-0}" == 1 ]] && export JAX_LOG_COMPILES=1
-# LOAD_FORMAT=dummy_echo: full acceptance of the MTP head's drafts (weights.py); SPEC_CONFIG: --speculative-config
+# LOAD_FORMAT=dummy_echo with TEMPERATURE=0: full acceptance of the MTP head's drafts (weights.py); SPEC_CONFIG:
+# --speculative-config
 ARGS=(--model "$MODEL" --load-format "${LOAD_FORMAT:-dummy}" ${SPEC_CONFIG:+--speculative-config "$SPEC_CONFIG"}
       --max-model-len "${MAX_MODEL_LEN:-4096}" --max-num-seqs
       "${MAX_NUM_SEQS:-256}" --kernels "${KERNELS:-auto}" --port 8000 --compilation-cache-dir /tmp/qwen_jax_cc)
@@ -44,7 +45,7 @@ for c in ${LEVELS:-1 64 256}; do
   nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_busy_c$c.txt" &
   smi=$!
   timeout 400 python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" --concurrency "$c" \
-    --waves 1 --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
+    --waves 1 --temperature "${TEMPERATURE:-1.0}" --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
     --device-count 1 --layout TP=1 --weights random --model-config "$MODEL/config.json" --no-progress \
     --label "kernels=${KERNELS:-auto} max_num_seqs=${MAX_NUM_SEQS:-256} load_format=${LOAD_FORMAT:-dummy} speculative_config=${SPEC_CONFIG:-default}" > "$OUT/serve_c$c.txt" 2>&1
   kill $smi

@@ -252,16 +252,18 @@ async def spot_check(client: httpx.AsyncClient, base_url: str, model: str, seed:
 
 async def run_level(base_url: str, model: str, tokenizer: Any, concurrency: int, prompts: Sequence[str],
                     warmup_prompts: Sequence[str], input_len: int, output_len: int, seed: int,
-                    timeout_s: float = 600.0, spot_check_tokens: int = 64, progress: bool = True) -> dict:
+                    timeout_s: float = 600.0, spot_check_tokens: int = 64, progress: bool = True,
+                    temperature: float = 1.0) -> dict:
     """Warm up, run `len(prompts)` requests with at most `concurrency` in flight, then the spot checks."""
     async with make_client(concurrency, timeout_s) as client:
-        await asyncio.gather(*(stream_completion(client, base_url, model, p, output_len) for p in warmup_prompts))
+        await asyncio.gather(*(stream_completion(client, base_url, model, p, output_len, temperature)
+                               for p in warmup_prompts))
         sem = asyncio.Semaphore(concurrency)
         bar = tqdm(total=len(prompts), desc=f"c={concurrency}", disable=not progress, file=sys.stderr)
 
         async def one(prompt: str) -> RequestResult:
             async with sem:
-                r = await stream_completion(client, base_url, model, prompt, output_len)
+                r = await stream_completion(client, base_url, model, prompt, output_len, temperature)
             bar.update(1)
             return r
 
@@ -332,18 +334,20 @@ async def run_benchmark(base_url: str, model: str, tokenizer: Any, concurrency: 
                         reuse_prompts: bool = False, seed: int = 0, timeout_s: float = 600.0,
                         spot_check_tokens: int = 64, progress: bool = True,
                         roofline: Callable[[int, float], float] | None = None, waves: int | None = None,
-                        previous_levels: Sequence[dict] = (), levels_out: str | None = None) -> dict:
+                        previous_levels: Sequence[dict] = (), levels_out: str | None = None,
+                        temperature: float = 1.0) -> dict:
     """Every level in turn; returns {"levels": [...], "weighted_score": ...}. Prompts of each level are new unless
-    `reuse_prompts`; `roofline(concurrency, tpot_s)` (optional) gives the measured/roofline ratio of a level.
-    `previous_levels` (from an earlier `levels_out` of the same setup, e.g. a run split over two sessions) count
-    in the table and the score; `levels_out` is rewritten after every level."""
+    `reuse_prompts`; every request samples at `temperature` (0: greedy); `roofline(concurrency, tpot_s)` (optional)
+    gives the measured/roofline ratio of a level. `previous_levels` (from an earlier `levels_out` of the same setup,
+    e.g. a run split over two sessions) count in the table and the score; `levels_out` is rewritten after every
+    level."""
     levels = list(previous_levels)
     for i, c in enumerate(concurrency):
         n = num_requests or default_num_requests(c, waves)
         level_seed = seed if reuse_prompts else seed + 1000 * (i + 1)
         prompts = build_prompts(tokenizer, input_len, n + WARMUP_REQUESTS, level_seed)
         level = await run_level(base_url, model, tokenizer, c, prompts[WARMUP_REQUESTS:], prompts[:WARMUP_REQUESTS],
-                                input_len, output_len, seed + i, timeout_s, spot_check_tokens, progress)
+                                input_len, output_len, seed + i, timeout_s, spot_check_tokens, progress, temperature)
         if roofline is not None and level["tpot_ms_p50"] is not None:
             level["roofline_ratio"] = roofline(c, level["tpot_ms_p50"] / 1e3)
         levels.append(level)
@@ -384,6 +388,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--reuse-prompts", action="store_true", help="the same prompts at every level")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="every request's temperature (0: greedy, e.g. for --load-format dummy_echo's full acceptance)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds between chunks before a request fails")
     p.add_argument("--spot-check-tokens", type=int, default=64)
     p.add_argument("--results", default=DEFAULT_RESULTS, help="RESULTS.json to append to; 'none' to skip")
@@ -421,7 +427,7 @@ async def main_async(argv: Sequence[str] | None = None) -> dict:
     run = await run_benchmark(
         args.base_url, args.model, tokenizer, [int(c) for c in args.concurrency.split(",")], args.num_requests,
         args.input_len, args.output_len, args.reuse_prompts, args.seed, args.timeout, args.spot_check_tokens,
-        not args.no_progress, roofline, args.waves, previous, args.levels_out)
+        not args.no_progress, roofline, args.waves, previous, args.levels_out, args.temperature)
     print(format_table(run["levels"]))
     print(f"weighted score (sum of weight x total tok/s): {run['weighted_score']:.1f}")
     for lv in run["levels"]:
@@ -442,7 +448,7 @@ async def main_async(argv: Sequence[str] | None = None) -> dict:
         roofline={lv["concurrency"]: lv.get("roofline_ratio") for lv in run["levels"]} if roofline else None,
         argv=["python", "-m", "qwen_jax.bench.serve", *(sys.argv[1:] if argv is None else argv)], label=args.label,
         base_url=args.base_url, input_len=args.input_len, output_len=args.output_len,
-        reuse_prompts=args.reuse_prompts)
+        reuse_prompts=args.reuse_prompts, temperature=args.temperature)
     if args.results and args.results.lower() != "none":
         append_result(entry, args.results)
         print(f"appended to {args.results}")

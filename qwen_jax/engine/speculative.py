@@ -68,11 +68,14 @@ def speculation(config: dict | str | None, has_mtp: bool = True) -> Speculation:
     return Speculation(MAX_DRAFTS, False) if k is None else Speculation(k, True)
 
 
-# A verify step's time over a plain decode step's, by the step's rows, for k = 1, 2, 3 drafts a row: GPU time of
-# step.verify_step (drafting included) over step.forward + the sampler (H200, Qwen3.5-35B-A3B with random weights,
-# context 1,536, `python -m qwen_jax.bench.step_profile --verify 0,1,2,3`). Rows between two entries take the
-# larger's; past the last entry nothing is measured and no step speculates.
-VERIFY_COST = {1: (1.45, 1.66, 1.78), 4: (1.50, 1.80, 2.02), 16: (1.52, 1.86, 1.97), 64: (1.27, 1.31, 1.31)}
+# A verify round's wall time over a plain decode token's, by the step's rows, for k = 1, 2, 3 drafts a row (None: not
+# measured, never chosen): one round of step.verify_step (verification, commit, the head's next drafts; several
+# rounds a program for up to 8 rows, as the engine runs them) over the plain decode step's time a token (four steps a
+# program for up to 8 rows). Wall time, not GPU time: a verify program is read back before the next is planned, so
+# its host time counts. One H200, Qwen3.5-35B-A3B with random weights, context 1,536, `python -m
+# qwen_jax.bench.step_profile --kernels gpu --batches 1,4,16,64 --verify 0,2,3 --context 1536` (RESULTS.json).
+# Rows between two entries take the larger's; past the last entry nothing is measured and no step speculates.
+VERIFY_COST = {1: (None, 2.44, 2.63), 4: (None, 2.26, 2.58), 16: (None, 2.57, 2.94), 64: (None, 1.73, 1.94)}
 # A fresh engine expects each draft accepted with this probability (Qwen3.5's head on real text: acceptance lengths
 # ~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3), held as PRIOR_ROWS verified rows' worth of evidence.
 PRIOR_ACCEPTANCE, PRIOR_ROWS = 0.8, 8.0
@@ -89,7 +92,7 @@ def expected_tokens(k: int, acceptance: float) -> float:
 
 
 def verify_cost(rows: int, k: int) -> float | None:
-    """VERIFY_COST of a step of `rows` rows with k drafts a row (None: not measured for that many rows)."""
+    """VERIFY_COST of a step of `rows` rows with k drafts a row (None: not measured)."""
     measured = [size for size in VERIFY_COST if size >= rows]
     return VERIFY_COST[min(measured)][k - 1] if measured else None
 

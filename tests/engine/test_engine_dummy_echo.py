@@ -36,7 +36,7 @@ def echo_dir(hybrid_dir, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def plain(echo_dir, kit):
-    return LLM(echo_dir, load_format="dummy_echo", **kit.ENGINE_ARGS)
+    return LLM(echo_dir, load_format="dummy_echo", speculative_config="off", **kit.ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
