@@ -7,19 +7,18 @@ Two training examples in one batch, so every step sees the same tokens and the l
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from support import load_script
 from transformers import Qwen3_5MoeForCausalLM
 
 from qwen_jax.config import from_hf_dict
 from qwen_jax.weights import load_params, open_checkpoint
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_mtp_model.py"
 STEPS = 6
 
 # One full-attention Qwen3.5-MoE decoder layer, as `model.layers.3.*` and `mtp.layers.0.*` name it in the real
@@ -34,15 +33,7 @@ DECODER_LAYER = {
 MTP_NAMES = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
              "mtp.norm.weight"} | {f"mtp.layers.0.{name}" for name in DECODER_LAYER}
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_mtp_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load_script()
+script = load_script("train_mtp_model")
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from gdn_batches import (
     run_reference,
     shuffled_batch,
 )
-from jax import export
 from jax.experimental import pallas as pl
+from support import cuda_mlir
 
 from pallas_kernels.gdn import delta_rule
 from pallas_kernels.gdn_decode import decode
@@ -106,10 +106,7 @@ def test_decode_lowers_to_one_triton_call_for_cuda():
                                                                [[0]] * rows, rows, rows, 1))
     fn = jax.jit(lambda *x: decode(*x, out=jnp.zeros((rows, nv, dv), jnp.bfloat16), block_v=32, num_warps=4,
                                    interpret=False), donate_argnums=7)
-    exported = export.export(fn, platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args,
-                                                                                                              batch)
-    text = exported.mlir_module()
+    text = cuda_mlir(fn, *args, batch)
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
     assert "grid_x = 64 : i32, grid_y = 32 : i32, grid_z = 4 : i32" in text
     assert "num_warps = 4 : i32" in text

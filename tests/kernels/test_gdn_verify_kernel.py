@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gdn_batches import device_batch, make_inputs, poison, rel_err, shuffled_batch
-from jax import export
+from support import cuda_mlir
 
 from pallas_kernels.gdn import verify_delta_rule
 from pallas_kernels.gdn_decode import decode, verify
@@ -115,10 +115,7 @@ def test_verify_lowers_to_one_triton_call_for_cuda():
                                                                list(range(1, rows + 1)), [[0]] * rows, tokens, rows, 1))
     fn = jax.jit(lambda *x: verify(*x, draft_len=draft_len, out=jnp.zeros((tokens, nv, dv), jnp.bfloat16),
                                    block_v=32, num_warps=4, interpret=False))
-    exported = export.export(fn, platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args,
-                                                                                                              batch)
-    text = exported.mlir_module()
+    text = cuda_mlir(fn, *args, batch)
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
     assert "grid_x = 64 : i32, grid_y = 32 : i32, grid_z = 4 : i32" in text
     assert ("output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = 12, "

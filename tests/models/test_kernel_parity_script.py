@@ -5,29 +5,19 @@ gives; its report tells near-tie flips from real errors.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from support import load_script
 
 from qwen_jax.default_model import TEXT_CONFIG
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kernel_parity.py"
 STEPS = 5
 PROMPT_LENS = [40, 9]  # 40 tokens: the prefill spans two 32-token GDN chunks of the prefill kernel
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("kernel_parity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-kernel_parity = _load_script()
+kernel_parity = load_script("kernel_parity")
 
 
 @pytest.fixture(scope="module")
