@@ -235,8 +235,8 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
                                                                                     mode="drop")
         moved = batch._replace(positions=batch.positions + emitted_before[batch.token_request] * batch.token_valid,
                                context_len=batch.context_len + emitted_before)
-        logits, cache, hidden, pending = decoder.verify_forward(params, cache, step_tokens, moved, cfg, ops,
-                                                                draft_len)
+        logits, cache, hidden, pending = decoder.forward(params, cache, step_tokens, moved, cfg, ops,
+                                                         return_hidden=True, draft_len=draft_len)
         logits = jax.lax.with_sharding_constraint(logits[jnp.where(live[:, None], at, 0)], replicated(mesh))
         # each position draws with the key of the output token it is: the row's count so far, as plain decoding
         rng = tensors.rng + emitted_before[:, None].astype(jnp.uint32) * tensors.rng_step

@@ -215,48 +215,33 @@ def logits_head(x: jax.Array, params: dict, cfg: ModelConfig) -> jax.Array:
 
 
 def forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: ModelConfig, ops: Ops,
-            sample_index: jax.Array | None = None, return_hidden: bool = False
-            ) -> tuple[jax.Array, dict] | tuple[jax.Array, dict, jax.Array]:
+            sample_index: jax.Array | None = None, return_hidden: bool = False, draft_len: int = 0) -> tuple:
     """Run a step's new tokens [T] (the flat ragged batch `batch`) through the model, reading and updating the
     cache entries of its requests. Returns (float32 logits of the tokens `sample_index` [N] -> [N, V], or of every
     token [T, V] when None; the new cache), and with `return_hidden` also every token's hidden state after the final
     norm [T, H] (what the LM head reads, and the MTP head's input: models/mtp.py). `ops`: the hot ops (layers/ops.py;
     sharding/ops.py partitions them for a mesh). The engine's step program (engine/step.py) is this, jitted. The
-    MTP head's cache entry, if any, passes through untouched."""
-    x = params["embed"][tokens]
-    new_layers = []
-    for i, (p, c) in enumerate(zip(params["layers"], cache["layers"], strict=True)):
-        x, c = layer_call(x, p, c, batch, cfg=cfg, mixer=cfg.layer_types[i], moe=cfg.is_moe_layer(i), ops=ops)
-        new_layers.append(c)
-    cache = {**cache, "layers": new_layers}
-    if return_hidden:
-        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-        return lm_head(hidden if sample_index is None else hidden[sample_index], params, cfg), cache, hidden
-    if sample_index is not None:
-        x = x[sample_index]
-    return logits_head(x, params, cfg), cache
-
-
-# ---- speculative verification ----------------------------------------------------------------------------------------
-def verify_forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: ModelConfig, ops: Ops,
-                   draft_len: int) -> tuple[jax.Array, dict, jax.Array, list]:
-    """`forward` over speculative verify rows (each request its last token and draft_len drafts, or none), its
-    recurrent slots untouched: (float32 logits of every token [T, V], the cache with the attention layers' KV
-    written, every token's hidden state after the final norm [T, H] (the MTP head's input), each layer's pending
-    (None for attention layers)). Once the accepted counts are known, `commit_verified_layers` writes the recurrent
-    states."""
+    MTP head's cache entry, if any, passes through untouched.
+    draft_len > 0: speculative verify rows (each request its last token and draft_len drafts, or none), whose
+    recurrent slots stay untouched; also returns each layer's pending (None for attention layers), from which
+    `commit_verified_layers` writes the recurrent states once the accepted counts are known."""
     x = params["embed"][tokens]
     layers, pending = [], []
     for i, (p, c) in enumerate(zip(params["layers"], cache["layers"], strict=True)):
         x, out = layer_call(x, p, c, batch, cfg=cfg, mixer=cfg.layer_types[i], moe=cfg.is_moe_layer(i), ops=ops,
                             draft_len=draft_len)
-        attention = cfg.layer_types[i] == FULL_ATTENTION
-        layers.append(out if attention else c)
-        pending.append(None if attention else out)
+        recurrent_pending = draft_len and cfg.layer_types[i] != FULL_ATTENTION
+        layers.append(c if recurrent_pending else out)
+        pending.append(out if recurrent_pending else None)
+    cache = {**cache, "layers": layers}
+    if not return_hidden:
+        return logits_head(x if sample_index is None else x[sample_index], params, cfg), cache
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
-    return lm_head(hidden, params, cfg), {**cache, "layers": layers}, hidden, pending
+    logits = lm_head(hidden if sample_index is None else hidden[sample_index], params, cfg)
+    return (logits, cache, hidden, pending) if draft_len else (logits, cache, hidden)
 
 
+# ---- speculative verification ----------------------------------------------------------------------------------------
 def commit_verified_layers(cache: dict, pending: list, batch: Ragged, num_accepted: jax.Array) -> dict:
     """Each verify row's recurrent state (every GDN layer) set to the one after its num_accepted [R] first tokens
     (layers.gated_deltanet.commit_verified); attention layers (and the MTP head's pages) as they are."""
