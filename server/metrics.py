@@ -79,6 +79,12 @@ class _EngineCollector(Collector):
                       s.get("spec_drafted_tokens_total", 0))
         yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
                       s.get("spec_accepted_tokens_total", 0))
+        per_position = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+                                           "Speculative decoding: draft tokens accepted, by their position among a "
+                                           "row's drafts (0: the first).", labels=["model_name", "position"])
+        for position, accepted in enumerate(s.get("spec_accepted_tokens_per_position", ())):
+            per_position.add_metric([self.model_name, str(position)], float(accepted))
+        yield per_position
         yield counter("engine_steps", "Engine steps run.", s.get("steps_total", 0))
         yield counter("engine_step_seconds", "Wall time of engine steps.", s.get("step_seconds_total", 0))
         yield counter("engine_step_device_wait_seconds", "Time engine steps waited for the devices' sampled tokens.",

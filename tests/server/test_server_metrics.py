@@ -83,3 +83,19 @@ def test_every_metric_is_in_the_table_of_vllm_names(server):
                     if not f.name.endswith("_created")}
     missing = [name for name in families if f"`{name}`" not in table and f"`{name}_total`" not in table]
     assert not missing, missing
+
+
+def test_speculative_counters_follow_the_engine_stats():
+    """The spec_decode_* series are the engine's counters, the accepted drafts also by their position in the row."""
+    from server.metrics import ServerMetrics
+
+    stats = {"spec_verified_rows_total": 10, "spec_drafted_tokens_total": 30, "spec_accepted_tokens_total": 17,
+             "spec_accepted_tokens_per_position": [9, 6, 2]}
+    text = ServerMetrics(lambda: stats, lambda: 0, "m", 64).render().decode()
+    samples = {(s.name, s.labels.get("position")): s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if not s.name.endswith("_created")}
+    assert samples[("qwen_jax_spec_decode_num_drafts_total", None)] == 10
+    assert samples[("qwen_jax_spec_decode_num_draft_tokens_total", None)] == 30
+    assert samples[("qwen_jax_spec_decode_num_accepted_tokens_total", None)] == 17
+    per_position = [samples[("qwen_jax_spec_decode_num_accepted_tokens_per_pos_total", str(j))] for j in range(3)]
+    assert per_position == [9, 6, 2] and sum(per_position) == 17
