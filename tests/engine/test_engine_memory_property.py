@@ -35,7 +35,7 @@ def engine(hybrid_dir):
     engine = EngineCore(hybrid_dir, max_model_len=24, max_num_seqs=3, max_num_batched_tokens=12, block_size=4,
                         num_kv_blocks=7, num_snapshots=2, enable_prefix_caching=True)
     runner = engine.replicas[0].runner
-    runner.prepare, runner.executor, runner.fetch = list, stub_execute, lambda out: out
+    runner.prepare, runner.executor, runner.fetch = lambda rows, head=False: list(rows), stub_execute, lambda out: out
     return engine
 
 
