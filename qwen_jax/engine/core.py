@@ -319,6 +319,7 @@ class EngineCore:
             "time": round(time.time() - (time.perf_counter() - start), 4), "plan_ms": round(1e3 * (planned - start), 3),
             "wall_ms": round(1e3 * (time.perf_counter() - start), 3), "wait_ms": round(1e3 * waited, 3),
             "rows": len(rows), "tokens": sum(r.num_tokens for r in rows), "steps": rows[0].steps if rows else 0,
+            "drafts": rows[0].drafts if rows else 0,
             "prefill_rows": sum(r.num_tokens > 1 for r in rows),
             "waiting": sum(len(r.scheduler.waiting) for r in self.replicas),
             "running": sum(len(r.scheduler.running) for r in self.replicas)}) + "\n")
