@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     mesh = make_mesh(1)
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
     sizes = engine_args(dict(max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, num_snapshots=0,
-                             num_kv_blocks=4096, kernels=args.kernels))
+                             num_kv_blocks=4096, kernels=args.kernels, speculative_config="off"))  # the plain step
     replica = Replica(0, cfg, params, mesh, sizes, 4096, [0], seed=0)
     runner = replica.runner
     leaves = len(jax.tree.leaves(params)), len(jax.tree.leaves(runner.cache))
