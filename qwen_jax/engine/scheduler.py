@@ -58,7 +58,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
         self.speculation = speculation
-        # the most verify rounds one program runs for (rows, drafts a row); the runner sets what it has compiled
+        # the most verify rounds one program runs for (rows, drafts a row), 0 while none is compiled; the runner
+        # sets what it has compiled
         self.verify_rounds: Callable[[int, int], int] = lambda rows, drafts: 1
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -212,7 +213,10 @@ class Scheduler:
         k = self.speculation.drafts_for(len(rows))
         if not k or len(rows) * (1 + k) > self.max_num_batched_tokens:
             return False
-        for rounds in sorted({1 if self.waiting else self.verify_rounds(len(rows), k), 1}, reverse=True):
+        most = self.verify_rounds(len(rows), k)  # 0: its program is still compiling
+        if not most:
+            return False
+        for rounds in sorted({1 if self.waiting else most, 1}, reverse=True):
             reach = rounds * (k + 1) + k - 1  # tokens past num_computed_tokens the program writes KV pages for
             if self.max_model_len is not None and any(
                     r.seq.num_computed_tokens + reach > self.max_model_len for r in rows):

@@ -197,3 +197,19 @@ def test_speculation_off_and_models_without_a_head_run_plain(hybrid_dir, kit):
     assert speculation("off") == speculation({"method": "mtp", "num_speculative_tokens": 0}) == (0, False)
     assert speculation(None, has_mtp=False).num_drafts == 0
     assert speculation('{"method": "mtp"}') == (MAX_DRAFTS, False)
+
+
+def test_no_step_verifies_while_its_program_is_still_compiling(plain, hybrid_mtp_dir, kit):
+    """While buckets compile in the background, steps use the compiled ones (`_ready`); a verify step whose program
+    is not among them would compile on a request's path, so such steps run plain until it is."""
+    llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **kit.ENGINE_ARGS)
+    runner = llm.engine.replicas[0].runner
+    runner._ready = [runner.token_buckets[0], runner.token_buckets[-1]]  # as mid-way through a background compile
+    assert runner.verify_rounds(1, 1) == 0
+    prompt, params = kit.prompt(14, seed=1050), greedy(8, ignore_eos=True)
+    expected = plain.generate([prompt], params)[0].token_ids
+    assert llm.generate([prompt], params)[0].token_ids == expected
+    assert llm.engine.stats()["spec_verified_rows_total"] == 0
+    runner._ready = None  # every bucket compiled
+    assert llm.generate([prompt], params)[0].token_ids == expected
+    assert llm.engine.stats()["spec_verified_rows_total"] > 0
