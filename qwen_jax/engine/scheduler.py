@@ -203,13 +203,8 @@ class Scheduler:
         it (no penalties, no min_tokens left, no grammar), the tokens fit the budget and max_model_len, and every
         sequence has the blocks (allocated here) for every round's tokens and the positions its last drafts are made
         at (k - 1 past the last verified token)."""
-        if self.speculation is None or not rows or not all(
-                r.samples and r.num_tokens == 1 and not r.admitted for r in rows):
+        if self.speculation is None or not self._token_independent_decoding(rows):
             return False
-        for r in rows:
-            seq, params = r.seq, r.seq.params
-            if params.has_penalties or seq.num_requested < params.min_tokens or seq.grammar is not None:
-                return False
         k = self.speculation.drafts_for(len(rows))
         if not k or len(rows) * (1 + k) > self.max_num_batched_tokens:
             return False
@@ -232,18 +227,23 @@ class Scheduler:
         sequence with no penalties, no min_tokens left to wait for and no grammar (their sampling would change from
         one step to the next), no request waits, and every sequence has the blocks for them (allocated here); else 1.
         Tokens past a request's end (EOS, a stop, max_tokens) are computed and dropped."""
-        if self.waiting or not rows or not all(r.samples and r.num_tokens == 1 and not r.admitted for r in rows):
+        if self.waiting or not self._token_independent_decoding(rows):
             return 1
-        for r in rows:
-            seq, params = r.seq, r.seq.params
-            # each step's penalties, bans or grammar mask depend on the tokens before it
-            if params.has_penalties or seq.num_requested < params.min_tokens or seq.grammar is not None:
-                return 1
-            if self.max_model_len is not None and seq.num_computed_tokens + max_steps > self.max_model_len:
-                return 1
+        if self.max_model_len is not None and any(
+                r.seq.num_computed_tokens + max_steps > self.max_model_len for r in rows):
+            return 1
         if not all(self._grow(r.seq, max_steps) for r in rows):
             return 1  # the blocks grown for some rows stay with them: they will fill them
         return max_steps
+
+    @staticmethod
+    def _token_independent_decoding(rows: list[Row]) -> bool:
+        """Whether `rows` are all decoding rows (one sampled token, not entering the batch) whose sampling does not
+        depend on the tokens just before it (no penalties, no min_tokens left to wait for, no grammar): such rows
+        may run several tokens a program, as decode steps or as drafts verified."""
+        return bool(rows) and all(
+            r.samples and r.num_tokens == 1 and not r.admitted and not r.seq.params.has_penalties
+            and r.seq.num_requested >= r.seq.params.min_tokens and r.seq.grammar is None for r in rows)
 
     def _book(self, row: Row) -> None:
         """Count a planned row as computed: its tokens' KV and state are in the cache for every later step (the

@@ -131,7 +131,7 @@ class DraftPolicy:
         steps that could have verified: while the measured acceptance keeps speculation off, every PROBE_EVERY-th
         verifies anyway, so the estimate can recover."""
         k = self.drafts_at(rows)
-        if k and (self._pays(rows, k) or self.plain_steps + 1 >= PROBE_EVERY):
+        if self._verifies(rows, k):
             self.plain_steps = 0
             return k
         self.plain_steps += bool(k)
@@ -140,7 +140,10 @@ class DraftPolicy:
     def wants_drafts(self, rows: int) -> bool:
         """Whether a plain step of `rows` decoding rows leaves drafts for the next step (the MTP head runs after
         it): whether the next may verify."""
-        k = self.drafts_at(rows)
+        return self._verifies(rows, self.drafts_at(rows))
+
+    def _verifies(self, rows: int, k: int) -> bool:
+        """Whether the next step of `rows` rows verifies its k drafts: it pays, or a probe is due."""
         return bool(k) and (self._pays(rows, k) or self.plain_steps + 1 >= PROBE_EVERY)
 
     def record(self, draft_len: int, emitted: list[int]) -> None:
