@@ -126,23 +126,29 @@ def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, b
     return row
 
 
-def verify_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int) -> dict:
+def verify_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, profile: int = 0) -> dict:
     """Speculative decoding's step of `batch` decoding rows at position `context` on a runner that drafts
     k = runner.num_speculative_tokens tokens. k = 0: the plain one-token decode step. Else the verify step as the
     scheduler makes it (each row its last token and k drafts, Scheduler._speculate, in as many rounds a program as
     the engine runs for that many rows): step.verify_step verifies the drafts the head left on the device, commits
     every recurrent state and drafts the next k, round after round, and each program is read back before the next
-    is built. Wall and GPU time of a program and of each round."""
+    is built. Wall and GPU time of a program and of each round; `profile`: also its TOP kernels."""
     k = runner.num_speculative_tokens
     rounds = runner.verify_rounds(batch, k) if k else 1
     # blocks for every round's tokens and the positions its last drafts are made at
     seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 2, rounds * (k + 1) + k)
     row = {"verify_batch": batch, "draft_tokens": k, "rounds": rounds, "context": context}
     if not k:
-        plain = [Row(seq, context, 1, samples=True) for seq in seqs]
-        return {**row, **time_steps(runner, plain, steps), "gpu_ms": gpu_ms(runner, plain)}
-    verify = [Row(seq, context, k + 1, samples=True, drafts=k, steps=rounds) for seq in seqs]
-    row.update(time_steps(runner, verify, steps, ahead=False), gpu_ms=gpu_ms(runner, verify))
+        rows = [Row(seq, context, 1, samples=True) for seq in seqs]
+        row.update(time_steps(runner, rows, steps), gpu_ms=gpu_ms(runner, rows))
+    else:
+        rows = [Row(seq, context, k + 1, samples=True, drafts=k, steps=rounds) for seq in seqs]
+        row.update(time_steps(runner, rows, steps, ahead=False), gpu_ms=gpu_ms(runner, rows))
+    if profile:
+        row["profile"] = profile_calls(lambda: (runner.execute(runner.prepare(rows)).tokens, runner.drafts),
+                                       calls=3, top=profile)
+    if not k:
+        return row
     return {**row, "round_ms": round(row["step_ms"] / rounds, 3), "round_gpu_ms": round(row["gpu_ms"] / rounds, 3)}
 
 
@@ -289,7 +295,7 @@ def main(argv: Seq[str] | None = None) -> dict:
             free_cache(runner)
             runner = build_runner(k, [*batches, *(b * (k + 1) for b in batches)])
         for b in batches:
-            report["verify"].append(verify_row(runner, cfg, b, args.context, args.steps))
+            report["verify"].append(verify_row(runner, cfg, b, args.context, args.steps, args.profile))
             print(json.dumps(report["verify"][-1]), flush=True)
     print(json.dumps(report), flush=True)
     return report

@@ -22,7 +22,8 @@ CONFIG = dict(TEXT_CONFIG, vocab_size=300, num_hidden_layers=2, layer_types=["li
 def test_step_profile_times_decode_verify_and_prefill_steps_and_each_layer_kind(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     report = step_profile.main(["--config", str(tmp_path / "config.json"), "--batches", "2,9", "--context", "20",
-                                "--prefill", "24", "--steps", "2", "--num-scheduler-steps", "3", "--verify", "1,0"])
+                                "--prefill", "24", "--steps", "2", "--num-scheduler-steps", "3", "--verify", "1,0",
+                                "--profile", "4"])
     assert [(row["decode_batch"], row["decode_steps"]) for row in report["decode"]] == [(2, 3), (9, 1)]
     assert all(row["token_ms"] == pytest.approx(row["step_ms"] / row["decode_steps"], abs=1e-3)
                for row in report["decode"])
@@ -30,6 +31,8 @@ def test_step_profile_times_decode_verify_and_prefill_steps_and_each_layer_kind(
     for row in report["verify"]:
         assert row["step_ms"] > 0 and row["compile_and_first_s"] > 0 and row["gpu_ms"] >= 0
         assert set(row["host_ms"]) == {"prepare", "issue", "wait"}
+        # no kernel events on the CPU: the tables are there, empty
+        assert row["profile"]["top_kernels"] == row["profile"]["top_kernel_families"] == []
         # k > 0: the rounds one program runs for that many rows, as the engine runs them (several for a few rows)
         assert row["rounds"] == (3 if row["draft_tokens"] and row["verify_batch"] == 2 else 1)
         if row["draft_tokens"]:
