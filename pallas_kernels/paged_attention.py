@@ -10,6 +10,9 @@ block-table width. Blocks every row sees whole skip the causal mask; only the la
 - Decode: grid (key splits, KV heads, requests), one query a program (its heads padded to 16 rows); a program whose
   request is not a one-token request exits at once. When KV heads x requests is too few programs to fill the GPU,
   the keys are split over `num_splits` programs and one XLA fusion merges their partial softmaxes (flash-decoding).
+  With `max_query_len` (speculative verify rows: every request has at most that many tokens) the decode launch takes
+  every request, all its queries in one program, and there is no prefill launch: a few queries over a long context
+  are a decode's work, which the prefill launch (no key splits: one program a KV head) would run on two SMs.
 - Prefill: grid (work slots, KV heads). A work list built on the device with a few small XLA ops names each slot's
   (request, query tile): the tiles of every request of two or more tokens, a request's latest (longest) tile first,
   so the tail of the launch is short tiles; the slots past the last tile do nothing. Its size is a static bound on
@@ -108,18 +111,21 @@ def _normalised(acc, denom, dtype):
 
 
 def _decode_kernel(query_start_ref, query_len_ref, context_len_ref, tables_ref, positions_ref, kv_head_start_ref,
-                   q_ref, k_ref, v_ref, *out_refs, num_splits: int, **tile):
-    """One program: split j of the keys of request r's one query x the query heads of KV head h (see _attend).
-    Out: with one split, o [T, heads, D] in q's dtype, aliased to an input (the prefill launch's output: only this
-    request's token is written); with more, the float32 partials acc [splits, R, heads, D], max and sum
-    [splits, R, heads] of the request's row (the other requests' rows are left unwritten)."""
+                   q_ref, k_ref, v_ref, *out_refs, num_splits: int, block_q: int, bounded: bool, heads_p: int,
+                   **tile):
+    """One program: split j of the keys of request r's queries x the query heads of KV head h (see _attend): its one
+    query, or with `bounded` (every request at most block_q tokens) all its queries. Out: with one split,
+    o [T, heads, D] in q's dtype, aliased to an input (the prefill launch's output or zeros: only this request's
+    tokens are written); with more, the float32 partials acc [splits, R * block_q, heads, D], max and sum
+    [splits, R * block_q, heads] of the request's rows r * block_q + query (the other rows are left unwritten)."""
     j, h, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     refs = (query_start_ref, query_len_ref, context_len_ref, tables_ref, positions_ref, kv_head_start_ref, q_ref,
             k_ref, v_ref)
+    query_len = query_len_ref[r]
 
-    @pl.when(query_len_ref[r] == 1)  # padding and prefill requests: nothing to do here
+    @pl.when((query_len > 0) if bounded else (query_len == 1))  # padding (and prefill) requests: nothing here
     def _():
-        acc, m, denom, token, head, real = _attend(r, 0, j, h, *refs, block_q=1, **tile)
+        acc, m, denom, token, head, real = _attend(r, 0, j, h, *refs, block_q=block_q, heads_p=heads_p, **tile)
         lanes = jnp.arange(acc.shape[1], dtype=jnp.int32)[None, :]
         if num_splits == 1:
             _, o_ref = out_refs  # the aliased input and the output: one buffer
@@ -127,9 +133,10 @@ def _decode_kernel(query_start_ref, query_len_ref, context_len_ref, tables_ref, 
                            mask=real[:, None])
         else:
             acc_ref, m_ref, denom_ref = out_refs
-            pltriton.store(acc_ref.at[j, r, head[:, None], lanes], acc, mask=real[:, None])
-            pltriton.store(m_ref.at[j, r, head], m, mask=real)
-            pltriton.store(denom_ref.at[j, r, head], denom, mask=real)
+            row = r * block_q + jax.lax.div(jnp.arange(acc.shape[0], dtype=jnp.int32), heads_p)
+            pltriton.store(acc_ref.at[j, row[:, None], head[:, None], lanes], acc, mask=real[:, None])
+            pltriton.store(m_ref.at[j, row, head], m, mask=real)
+            pltriton.store(denom_ref.at[j, row, head], denom, mask=real)
 
 
 def _prefill_kernel(work_ref, token_valid_ref, *refs, block_q: int, heads_p: int, group: int, **tile):
@@ -191,14 +198,16 @@ def prefill_slots(tokens: int, requests: int, block_q: int) -> int:
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch, scale: float,
-                    kv_head_start: jax.Array | int = 0, num_kv_heads: int | None = None, *, block_m: int | None = None,
+                    kv_head_start: jax.Array | int = 0, num_kv_heads: int | None = None,
+                    max_query_len: int | None = None, *, block_m: int | None = None,
                     block_k: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
     """Same contract as the reference: q [T, heads, D], token t of request batch.token_request[t] at
     batch.positions[t] (batch: a qwen_jax.layers.batch.Ragged; positions, token_valid, query_start, query_len,
     context_len and block_table are read); k_cache, v_cache [num_blocks, block_size, kv_heads, D] -> [T, heads, D],
     padding tokens 0. q's heads split evenly over the cache's KV heads [kv_head_start, +num_kv_heads) (default: all).
-    Tiles: prefill about `block_m` rows (queries x query heads of one KV head), decode one query; `block_k` keys a
+    max_query_len: a static bound on every request's query_len that the caller guarantees (speculative verify rows:
+    draft_len + 1), or None; with it every request takes the decode launch. Tiles: prefill about `block_m` rows (queries x query heads of one KV head), decode one query; `block_k` keys a
     step. num_splits: decode key splits (None: from the grid size). num_warps, num_stages: both launches (None: each
     its own). None elsewhere: the best of qwen_jax/bench/kernels.py on an H200 at 35B-A3B shapes (decode 4 warps,
     2 stages; prefill 128 rows, 8 warps, 3 stages), with 64 keys a step (32 for float32 D = 256 tiles, whose pipeline
@@ -238,7 +247,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch,
     # Prefill first: its tiles and its zero fill of the padding tokens write every row but the one-token requests'
     # (no zeros pass over the output); the decode launch then writes those rows in place (aliased), or its merged
     # key splits are scattered in. No select over all T rows.
-    if tokens == 1:  # a one-token step holds no prefill: no launch for it
+    if tokens == 1 or max_query_len is not None:  # no request for a prefill launch
         out = jnp.zeros(q.shape, q.dtype)
     else:
         out = pl.pallas_call(
@@ -253,17 +262,24 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch,
     if num_splits is None:
         num_splits = auto_splits(kv_heads * requests, table_keys)
     split_keys = -(-table_keys // (num_splits * block_k)) * block_k
+    decode_q = pl.next_power_of_2(max_query_len or 1)  # a decode program's queries (all of its request's)
     decode = functools.partial(pl.pallas_call, functools.partial(
-        _decode_kernel, num_splits=num_splits, heads_p=max(pl.next_power_of_2(group), 16), split_keys=split_keys,
-        **tile), grid=(num_splits, kv_heads, requests), interpret=interpret, compiler_params=params(4, 2),
+        _decode_kernel, num_splits=num_splits, block_q=decode_q, bounded=max_query_len is not None,
+        heads_p=max(pl.next_power_of_2(group), 16 // decode_q), split_keys=split_keys, **tile),
+        grid=(num_splits, kv_heads, requests), interpret=interpret, compiler_params=params(4, 2),
         name="paged_attention_decode")
     if num_splits == 1:
         return decode(out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), input_output_aliases={len(refs): 0})(*refs, out)
-    acc, m, denom = decode(out_shape=(jax.ShapeDtypeStruct((num_splits, requests, heads, dim), jnp.float32),
-                                      jax.ShapeDtypeStruct((num_splits, requests, heads), jnp.float32),
-                                      jax.ShapeDtypeStruct((num_splits, requests, heads), jnp.float32)))(*refs)
+    rows = requests * decode_q
+    acc, m, denom = decode(out_shape=(jax.ShapeDtypeStruct((num_splits, rows, heads, dim), jnp.float32),
+                                      jax.ShapeDtypeStruct((num_splits, rows, heads), jnp.float32),
+                                      jax.ShapeDtypeStruct((num_splits, rows, heads), jnp.float32)))(*refs)
     weight = jnp.exp2(m - jnp.max(m, axis=0))  # merge the splits' partial softmaxes
     total = jnp.sum(weight * denom, axis=0)
     merged = jnp.sum(weight[..., None] * acc, axis=0) / jnp.where(total > 0.0, total, 1.0)[..., None]
-    rows = jnp.where(query_len == 1, index(batch.query_start), tokens)  # the other requests' rows: dropped
-    return out.at[rows].set(merged.astype(q.dtype), mode="drop")
+    # row r * decode_q + i is query i of request r: its token, or dropped (past the request's queries, or a request
+    # of the prefill launch)
+    query = jnp.arange(decode_q, dtype=jnp.int32)[None, :]
+    taken = (query_len[:, None] > query) & ((query_len[:, None] == 1) | (max_query_len is not None))
+    token = jnp.where(taken, index(batch.query_start)[:, None] + query, tokens).reshape(rows)
+    return out.at[token].set(merged.astype(q.dtype), mode="drop")

@@ -57,12 +57,12 @@ def head_parallel_attention(cfg: ModelConfig, mesh: Mesh, attend: Callable) -> C
     local_q, group = cfg.num_heads // _shard_count(q_axes, mesh), cfg.num_heads // cfg.num_kv_heads
     heads, kv_heads = P(None, q_axes, None), P(None, None, kv_axes or None, None)
 
-    def attention(q, k_cache, v_cache, batch, scale):
+    def attention(q, k_cache, v_cache, batch, scale, max_query_len=None):
         def local(q, k_cache, v_cache, batch):
             if not shared:
-                return attend(q, k_cache, v_cache, batch, scale)
+                return attend(q, k_cache, v_cache, batch, scale, max_query_len=max_query_len)
             start = jax.lax.axis_index(q_axes) * local_q // group
-            return attend(q, k_cache, v_cache, batch, scale, start, 1)
+            return attend(q, k_cache, v_cache, batch, scale, start, 1, max_query_len=max_query_len)
 
         return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, P()),
                              out_specs=heads, axis_names=set(MODEL_AXES), check_vma=False)(q, k_cache, v_cache, batch)

@@ -248,7 +248,7 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
         # the head's tokens: each verified token's successor, the token emitted after it (0 past the emitted ones)
         following = jnp.zeros(size, jnp.int32).at[to].set(jnp.maximum(verified.tokens, 0), mode="drop")
         proposed, cache = draft(params, cache, hidden, following, jnp.where(live, batch.query_start + emitted - 1, 0),
-                                live, moved, cfg, ops, drafts.shape[1])
+                                live, moved, cfg, ops, drafts.shape[1], draft_len)
         place = jnp.where(within < emitted[:, None], emitted_before[:, None] + within, width)  # after earlier rounds'
         out = VerifyOutput(
             out.tokens.at[rows[:, None], place].set(verified.tokens, mode="drop"),
@@ -290,20 +290,20 @@ def draft_step(params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array, 
 
 
 def draft(params: dict, cache: dict, hidden: jax.Array, following: jax.Array, last: jax.Array, live: jax.Array,
-          batch: Ragged, cfg: ModelConfig, ops, draft_len: int) -> tuple[jax.Array, dict]:
-    """The MTP head's next draft_len drafts for each request (models/mtp.py), greedy (its argmax: the one-hot
-    proposals engine/speculative.py verifies against). First over every token of the step, each paired with the
-    token that followed it (`following` [T]; the head's KV pages are then those of the sequence, a rejected
-    position's overwritten later), the first draft read at each request's last token `last` [R]; then one token a
-    request at the next positions, each fed the draft before it and the head's own output. Returns (drafts
-    [R, draft_len], the cache with the head's pages written)."""
+          batch: Ragged, cfg: ModelConfig, ops, num_drafts: int, draft_len: int = 0) -> tuple[jax.Array, dict]:
+    """The MTP head's next num_drafts drafts for each request (models/mtp.py), greedy (its argmax: the one-hot
+    proposals engine/speculative.py verifies against). First over every token of the step (draft_len > 0: verify
+    rows of draft_len + 1 tokens), each paired with the token that followed it (`following` [T]; the head's KV
+    pages are then those of the sequence, a rejected position's overwritten later), the first draft read at each
+    request's last token `last` [R]; then one token a request at the next positions, each fed the draft before it
+    and the head's own output. Returns (drafts [R, num_drafts], the cache with the head's pages written)."""
     requests = last.shape[0]
-    logits, out, cache = mtp_forward(params, cache, hidden, following, batch, cfg, ops, last)
+    logits, out, cache = mtp_forward(params, cache, hidden, following, batch, cfg, ops, last, draft_len)
     drafts = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
     hidden = out[last]
     position = batch.positions[last]  # the position of the hidden state the first draft was read at
     rows = jnp.arange(requests, dtype=jnp.int32)
-    for _ in range(draft_len - 1):
+    for _ in range(num_drafts - 1):
         position = position + 1
         one = Ragged(positions=jnp.where(live, position, 0), token_request=rows, token_valid=live, query_start=rows,
                      query_len=live.astype(jnp.int32), context_len=jnp.where(live, position + 1, 0),

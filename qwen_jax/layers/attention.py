@@ -37,11 +37,13 @@ ATTENTION_BLOCK_T = 64
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Ragged, scale: float,
-                    kv_head_start: jax.Array | int = 0, num_kv_heads: int | None = None) -> jax.Array:
+                    kv_head_start: jax.Array | int = 0, num_kv_heads: int | None = None,
+                    max_query_len: int | None = None) -> jax.Array:
     """q: [T, heads, D], token t of request batch.token_request[t] at batch.positions[t]; each query sees its
     request's keys 0..its own position (and below the request's context_len). Padding tokens give 0.
     q's heads are split evenly over the cache's KV heads [kv_head_start, +num_kv_heads) (default: all of them; a
-    device holding some query heads of a replicated cache reads only its own).
+    device holding some query heads of a replicated cache reads only its own). max_query_len: a bound on every
+    request's query_len the caller guarantees (a kernel's launch choice; the result is the same without it).
     Scores rounded to q's dtype, softmax in float32, probabilities rounded to q's dtype before multiplying V
     (as HF eager does). Gathers each token's pages into a dense context, ATTENTION_BLOCK_T tokens at a time."""
     tokens, heads, dim = q.shape
@@ -78,10 +80,11 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch:
 
 
 def attention_layer(x: jax.Array, p: dict, cache: dict, batch: Ragged, cfg, inv_freq: jax.Array,
-                    attend=paged_attention, dense_op=dense) -> tuple[jax.Array, dict]:
+                    attend=paged_attention, dense_op=dense, max_query_len: int | None = None
+                    ) -> tuple[jax.Array, dict]:
     """x: [T, H] -> ([T, H], updated {"k", "v"} pages).
     `attend`, `dense_op`: paged_attention and the projections' dense, or kernels with their contracts (layers/ops.py
-    picks)."""
+    picks). max_query_len: a bound on every request's tokens, if the caller knows one (paged_attention's)."""
     q, k, v, *gate = _projections(x, p, ("q", "k", "v", "gate") if cfg.attn_output_gate else ("q", "k", "v"),
                                   dense_op)
     if cfg.qk_norm:
@@ -91,7 +94,7 @@ def attention_layer(x: jax.Array, p: dict, cache: dict, batch: Ragged, cfg, inv_
     k = apply_rope(k, batch.positions, inv_freq, cfg.rope_interleaved)
     k_cache = write_kv(cache["k"], k, batch)
     v_cache = write_kv(cache["v"], v, batch)
-    out = attend(q, k_cache, v_cache, batch, cfg.head_dim ** -0.5)
+    out = attend(q, k_cache, v_cache, batch, cfg.head_dim ** -0.5, max_query_len=max_query_len)
     if cfg.attn_output_gate:
         # sigmoid in float32 and rounded once, as torch does
         out = out * jax.nn.sigmoid(gate[0].astype(jnp.float32)).astype(out.dtype)

@@ -178,11 +178,11 @@ def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfi
     cache). draft_len > 0: the batch is speculative verify rows (each request its last token and draft_len drafts,
     or none); a Gated DeltaNet layer then leaves its slots alone and returns, instead of its cache, what
     commit_verified needs (an attention layer writes its KV pages as usual: a rejected position's are overwritten
-    later)."""
+    later, and takes its kernel's short-query launch)."""
     h = ops.norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     if mixer == FULL_ATTENTION:
         h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()), ops.attention,
-                               ops.dense)
+                               ops.dense, max_query_len=draft_len + 1 if draft_len else None)
     elif draft_len:
         h, c = gdn_layer_verify(h, p["mixer"], c, batch, cfg, draft_len, ops.verify_delta_rule, ops.dense,
                                 ops.verify_conv)

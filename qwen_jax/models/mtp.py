@@ -53,10 +53,12 @@ def next_tokens_in_request(tokens: jax.Array, batch: Ragged, following: jax.Arra
 
 
 def mtp_forward(params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array, batch: Ragged, cfg: ModelConfig,
-                ops: Ops, sample_index: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+                ops: Ops, sample_index: jax.Array | None = None, draft_len: int = 0
+                ) -> tuple[jax.Array, jax.Array, dict]:
     """One MTP step over a ragged batch. hidden: [T, H] main-model hidden states after its final norm (or the
     previous MTP step's output); tokens: [T] the token following each hidden state's token; batch: positions of the
-    hidden states' tokens. Returns (float32 logits [R, V] of the tokens `sample_index` (all T when None), the head's
+    hidden states' tokens (draft_len > 0: speculative verify rows of draft_len + 1 tokens, as decoder.forward's).
+    Returns (float32 logits [R, V] of the tokens `sample_index` (all T when None), the head's
     output [T, H] after its final norm (the next draft step's `hidden`), the cache with the head's KV pages
     updated)."""
     if not cfg.has_mtp:
@@ -67,7 +69,7 @@ def mtp_forward(params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array,
     hidden = ops.norm(hidden, head["pre_fc_norm_hidden"], eps, plus_one)
     x = ops.dense(jnp.concatenate([embedded, hidden], axis=-1), head["fc"]).astype(embedded.dtype)
     x, pages = layer_call(x, head["layer"], cache["mtp"], batch, cfg=cfg, mixer=FULL_ATTENTION, moe=cfg.mtp_is_moe,
-                          ops=ops)
+                          ops=ops, draft_len=draft_len)
     out = ops.norm(x, head["final_norm"], eps, plus_one)
     logits = lm_head(out if sample_index is None else out[sample_index], params, cfg)
     return logits, out, {**cache, "mtp": pages}

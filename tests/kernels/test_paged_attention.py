@@ -106,6 +106,12 @@ MIXED = [(5, 1), (0, 7), (12, 6), (0, 1), (40, 1), (29, 9)]
     (3, [(10, 1), (30, 1), (0, 1)], 5, 4, 4, 2, 16, 4, 8, jnp.float32, True, dict(num_splits=2)),
     # prefill only, the default tiles (one tile a request)
     (4, [(0, 16), (3, 5)], 24, 2, 4, 2, 16, 4, 6, jnp.bfloat16, True, {}),
+    # speculative verify rows (max_query_len: every request in the decode launch, all its queries in one program),
+    # one at position 0; group 8 (4 queries x 8 heads a program), the keys split over 3 programs; bf16
+    (8, [(70, 3), (9, 3), (0, 3), (33, 2)], 16, 6, 8, 1, 32, 8, 10, jnp.bfloat16, True,
+     dict(block_k=16, num_splits=3, max_query_len=3)),
+    # verify rows of 4 tokens and a decode row, group 2 (4 queries x 4 padded heads), one split, float32
+    (9, [(21, 4), (50, 1), (3, 4)], 12, 4, 4, 2, 16, 4, 16, jnp.float32, True, dict(block_k=16, max_query_len=4)),
 ])
 def test_ragged_batch_matches_reference(seed, requests, num_tokens, num_requests, heads, kv_heads, dim, block_size,
                                         width, dtype, shuffle, config):
@@ -147,6 +153,21 @@ def test_rejects_head_dims_triton_cannot_tile():
 ])
 def test_lowers_to_two_triton_calls_for_cuda(tokens, requests, width, grids):
     """Lowered (not compiled) for CUDA on this CPU machine at the 35B-A3B shapes (16 heads, 2 KV heads, D 256, bf16)."""
+    text = cuda_lowering(tokens, requests, width)
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
+    for x, y, z in grids:  # prefill, decode
+        assert f"grid_x = {x} : i32, grid_y = {y} : i32, grid_z = {z} : i32" in text
+
+
+def test_verify_rows_lower_to_the_decode_launch_alone():
+    """max_query_len 3 (k = 2 verify rows) at the 35B-A3B shapes: one Triton call, 8 key splits a request of 2 KV
+    heads at 16 requests (264 programs wanted), no prefill launch."""
+    text = cuda_lowering(64, 16, 128, max_query_len=3)
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
+    assert "grid_x = 8 : i32, grid_y = 2 : i32, grid_z = 16 : i32" in text
+
+
+def cuda_lowering(tokens: int, requests: int, width: int, **options) -> str:
     s = jax.ShapeDtypeStruct
     i32 = lambda *shape: s(shape, jnp.int32)
     batch = Ragged(positions=i32(tokens), token_request=i32(tokens), token_valid=s((tokens,), jnp.bool_),
@@ -154,10 +175,7 @@ def test_lowers_to_two_triton_calls_for_cuda(tokens, requests, width, grids):
                    state_slot=i32(requests), fresh=s((requests,), jnp.bool_), block_table=i32(requests, width))
     args = (s((tokens, 16, 256), jnp.bfloat16), s((4096, 16, 2, 256), jnp.bfloat16),
             s((4096, 16, 2, 256), jnp.bfloat16), batch)
-    fn = jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, scale=256 ** -0.5, interpret=False))
+    fn = jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, scale=256 ** -0.5, interpret=False, **options))
     exported = export.export(fn, platforms=["cuda"],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    text = exported.mlir_module()
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
-    for x, y, z in grids:  # prefill, decode
-        assert f"grid_x = {x} : i32, grid_y = {y} : i32, grid_z = {z} : i32" in text
+    return exported.mlir_module()
