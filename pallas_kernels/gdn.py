@@ -14,7 +14,7 @@ from pallas_kernels.gdn_prefill import prefill
 def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
                dt_bias: jax.Array, ssm: jax.Array, batch, *, chunk_size: int | None = None,
                block_v: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-               decode_block_v: int | None = None, decode_num_warps: int = 4, interpret: bool | None = None
+               decode_block_v: int | None = None, decode_num_warps: int | None = None, interpret: bool | None = None
                ) -> tuple[jax.Array, jax.Array]:
     """q, k: [T, nk, dk] after the conv, before the L2 norm; v: [T, nv, dv]; a, b: [T, nv] raw; A_log, dt_bias: [nv];
     ssm: [slots, nv, dk, dv] float32, rows batch.state_slot read (zeros for fresh requests) and written back; batch:
@@ -38,7 +38,7 @@ def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Ar
 
 def verify_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
                       dt_bias: jax.Array, ssm: jax.Array, batch, draft_len: int, *, block_v: int | None = None,
-                      num_warps: int = 4, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                      num_warps: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Speculative verify rows: every request of `batch` has exactly draft_len + 1 tokens (static, >= 1) or none;
     inputs as delta_rule's. Returns (out [T, nv, dv] in v's dtype, 0 on padding tokens; states [T, nv, dk, dv]
     float32, each row's state after each of its tokens, undefined on padding tokens); ssm is only read. One launch

@@ -76,27 +76,37 @@ def _verify_kernel(start_ref, len_ref, slots_ref, fresh_ref, q_ref, k_ref, v_ref
         jax.lax.fori_loop(0, row_len, token, s)
 
 
-def default_block_v(dv: int) -> int:
-    """min(64, dv): in the 35B-A3B decode step on an H200, 64 columns took 74 us a layer at 64 rows (3.6 TB/s of state
-    traffic) against 84 us with 32, and 18.1 against 18.7 us at 16 rows)."""
-    return min(64, dv)
+FEW_REQUESTS = 4  # up to this many requests a launch has too few programs of 64 columns to keep the GPU busy
+
+
+def default_tiles(dv: int, requests: int, verify_rows: bool = False) -> tuple[int, int]:
+    """(block_v, num_warps) for a launch over `requests` request slots. Up to FEW_REQUESTS: 16 columns and one warp,
+    four times the programs (H200, 35B-A3B shapes: one request's decode 2.6 us a layer against 3.2 us with 64 and
+    four warps, a k = 2 verify 5.6 against 7.0 us). Beyond: min(64, dv) columns (the decode step at 64 rows, in the
+    model: 74 us a layer against 84 us with 32), four warps for decode, two for verify (42 against 47 us at 16 rows,
+    161 against 170 us at 64)."""
+    if requests <= FEW_REQUESTS:
+        return min(16, dv), 1
+    return min(64, dv), 2 if verify_rows else 4
 
 
 def decode(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
            dt_bias: jax.Array, ssm: jax.Array, batch, out: jax.Array, *, block_v: int | None = None,
-           num_warps: int = 4, num_stages: int = 1, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+           num_warps: int | None = None, num_stages: int = 1, interpret: bool | None = None
+           ) -> tuple[jax.Array, jax.Array]:
     """The delta rule of the batch's one-token requests: q, k [T, nk, dk] (after conv + SiLU, before the L2 norm);
     v [T, nv, dv]; a, b [T, nv] raw; A_log, dt_bias [nv]; ssm [slots, nv, dk, dv] float32; batch: a
     qwen_jax.layers.batch.Ragged (query_start, query_len, state_slot, fresh are read); out [T, nv, dv] in v's dtype.
     Returns (out with each one-token request's token written, ssm with its slot advanced), both in place (aliased):
     every other token of out and every other slot of ssm keep their bits. A fresh request reads its slot as zeros.
-    One program per (request, value head, block of `block_v` value columns; None: `default_block_v`);
+    One program per (request, value head, block of `block_v` value columns; None: `default_tiles`, as num_warps);
     interpret=None interprets on CPU only. On GPU this lowers through the Pallas Triton backend: dk and block_v must
     be powers of two."""
     requests = batch.query_len.shape[0]
     nk, dk = q.shape[1:]
     nv, dv = v.shape[1:]
-    block_v = block_v or default_block_v(dv)
+    tiles = default_tiles(dv, requests)
+    block_v, num_warps = block_v or tiles[0], num_warps or tiles[1]
     if nv % nk or dv % block_v or ssm.shape[1:] != (nv, dk, dv) or ssm.dtype != jnp.float32 \
             or out.shape != v.shape or out.dtype != v.dtype:
         raise ValueError(f"gdn_decode: q {q.shape}, v {v.shape}, ssm {ssm.shape} {ssm.dtype}, out {out.shape} "
@@ -114,7 +124,8 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array,
 
 def verify(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
            dt_bias: jax.Array, ssm: jax.Array, batch, draft_len: int, out: jax.Array, *, block_v: int | None = None,
-           num_warps: int = 4, num_stages: int = 1, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+           num_warps: int | None = None, num_stages: int = 1, interpret: bool | None = None
+           ) -> tuple[jax.Array, jax.Array]:
     """The delta rule of speculative verify rows, requests of exactly draft_len + 1 tokens (static); the inputs,
     batch and out as `decode`'s. Returns (out with each verify row's tokens written in place, every other token
     keeping its bits; states [T, nv, dk, dv] float32, the row's state after each of its tokens, undefined elsewhere).
@@ -123,7 +134,8 @@ def verify(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array,
     states written. Grid, block_v, interpret and the Triton lowering as `decode`'s."""
     nk, dk = q.shape[1:]
     nv, dv = v.shape[1:]
-    block_v = block_v or default_block_v(dv)
+    tiles = default_tiles(dv, batch.query_len.shape[0], verify_rows=True)
+    block_v, num_warps = block_v or tiles[0], num_warps or tiles[1]
     if draft_len < 1 or nv % nk or dv % block_v or ssm.shape[1:] != (nv, dk, dv) or ssm.dtype != jnp.float32 \
             or out.shape != v.shape or out.dtype != v.dtype:
         raise ValueError(f"gdn_decode.verify: draft_len {draft_len}, q {q.shape}, v {v.shape}, ssm {ssm.shape} "

@@ -207,11 +207,12 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch,
     context_len and block_table are read); k_cache, v_cache [num_blocks, block_size, kv_heads, D] -> [T, heads, D],
     padding tokens 0. q's heads split evenly over the cache's KV heads [kv_head_start, +num_kv_heads) (default: all).
     max_query_len: a static bound on every request's query_len that the caller guarantees (speculative verify rows:
-    draft_len + 1), or None; with it every request takes the decode launch. Tiles: prefill about `block_m` rows (queries x query heads of one KV head), decode one query; `block_k` keys a
-    step. num_splits: decode key splits (None: from the grid size). num_warps, num_stages: both launches (None: each
-    its own). None elsewhere: the best of qwen_jax/bench/kernels.py on an H200 at 35B-A3B shapes (decode 4 warps,
-    2 stages; prefill 128 rows, 8 warps, 3 stages), with 64 keys a step (32 for float32 D = 256 tiles, whose pipeline
-    buffers would not fit in shared memory). interpret=None interprets on CPU only. D, block_m and block_k must be
+    draft_len + 1), or None; with it every request takes the decode launch. Tiles: prefill about `block_m` rows
+    (queries x query heads of one KV head), decode one request's queries; `block_k` keys a step. num_splits: decode
+    key splits (None: from the grid size). num_warps, num_stages: both launches (None: each its own). None
+    elsewhere: the best of qwen_jax/bench/kernels.py on an H200 at 35B-A3B shapes (decode 4 warps, 2 stages; prefill
+    128 rows, 8 warps, 3 stages), with 64 keys a step (32 for float32 D = 256 tiles, whose pipeline buffers would not
+    fit in shared memory). interpret=None interprets on CPU only. D, block_m and block_k must be
     powers of two, block_k at least 16 (Triton's smallest dot)."""
     tokens, heads, dim = q.shape
     num_blocks, block_size, cache_kv_heads, _ = k_cache.shape

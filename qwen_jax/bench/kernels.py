@@ -720,7 +720,7 @@ SKINNY_FULL = ((2048, (2048,)), (2048, (4096,)), (4096, (2048,)), (2048, (512,))
                (2048, (12288,)), (2048, (2048, 2048, 4096, 4096)), (2048, (2048, 2048, 4096, 4096, 32, 32)),
                (2048, (4096, 512, 512, 4096)), (2048, (256, 512, 512)))
 SKINNY_SMALL = ((64, (64,)), (128, (96,)), (128, (32, 64, 32)))
-SKINNY_ROWS, SKINNY_ROWS_SMALL = (1, 8, 64), (1, 33)  # a decode step's rows
+SKINNY_ROWS, SKINNY_ROWS_SMALL = (1, 4, 8, 64), (1, 33)  # a decode step's rows (4: a verify row of k = 3)
 SKINNY_MAX_REL_ERR = 1e-2  # bf16 out; float32 sums in another order, nothing else
 
 
