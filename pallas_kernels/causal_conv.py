@@ -194,16 +194,18 @@ def _flattened(xs, caches, weights, batch):
 
 
 def verify_causal_convs(xs: tuple[jax.Array, ...], caches: tuple[jax.Array, ...], weights: tuple[jax.Array, ...],
-                        batch: Any, *, block_t: int = 64, block_c: int = 64, num_warps: int = 4,
+                        batch: Any, *, block_t: int | None = None, block_c: int = 64, num_warps: int = 4,
                         triton_call=None) -> tuple[jax.Array, ...]:
     """The layers' `verify_conv` op (qwen_jax.layers.gated_deltanet.verify_causal_convs): the outputs of speculative
     verify rows (requests of two or more tokens, or padding requests), no cache written. The token launch alone,
     which computes every request of two or more tokens as `causal_convs` does; padding tokens' outputs are 0.
-    Arguments as `causal_convs`'."""
+    Arguments as `causal_convs`', but block_t (None) fits the step: verify steps are a few tokens, which a 64-token
+    tile would mostly mask."""
     flat_x, flat_cache, x3, w3, channels, meta = _flattened(xs, caches, weights, batch)
     kernel, tokens, missing = weights[0].shape[0], xs[0].shape[0], 3 - len(xs)
     if tokens == 1:  # no row of two tokens fits: all padding
         return tuple(jnp.zeros(x.shape, x.dtype) for x in xs)
+    block_t = block_t or min(64, triton.next_power_of_2(tokens))
     outs = _token_launch(triton_call, x3, flat_cache, missing, w3, meta, flat_x, xs, tokens, block_t, block_c,
                          channels, kernel, num_warps)
     return tuple(o.reshape(x.shape) for o, x in zip(outs, xs))

@@ -116,14 +116,15 @@ def test_op_takes_the_reference_where_triton_cannot_run():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("draft_len", [1, 3])
-def test_verify_kernel_matches_the_reference(causal_conv_kernel, draft_len):
+@pytest.mark.parametrize("draft_len, block_t", [(1, 8), (3, 8), (3, None)])
+def test_verify_kernel_matches_the_reference(causal_conv_kernel, draft_len, block_t):
     """Speculative verify rows (draft_len + 1 tokens each: mid-sequence, fresh, starting inside the conv's state):
-    the token launch's outputs as the reference's (verify_causal_convs), 0 on padding tokens, no cache returned."""
+    the token launch's outputs as the reference's (verify_causal_convs), 0 on padding tokens, no cache returned.
+    block_t None: the step's own (one tile of 32 tokens here)."""
     requests = [(9, draft_len + 1), (0, draft_len + 1), (1, draft_len + 1), (30, draft_len + 1)]
     xs, caches, weights, batch = make_case(8 + draft_len, requests, QKV, 4 * draft_len + 9, 6)
     got = causal_conv_kernel.verify_causal_convs(xs, caches, weights, batch, triton_call=interpreted_call,
-                                                 block_t=8, block_c=8)
+                                                 block_t=block_t, block_c=8)
     want = jax.jit(verify_causal_convs, compiler_options=EXACT)(xs, caches, weights, batch)
     valid = batch.token_valid
     assert len(got) == 3
