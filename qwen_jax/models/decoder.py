@@ -172,13 +172,14 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, sharding
 
 
 def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfig, mixer: str, moe: bool, ops: Ops,
-                  draft_len: int = 0) -> tuple[jax.Array, dict]:
+                  draft_len: int = 0, moe_rows: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """One layer: token mixer (`mixer`: attention or Gated DeltaNet) and MLP (`moe`: the sparse MoE, else the dense
     SwiGLU), each pre-normed with a residual. x: [T, H] on the batch's token axis. Returns (x, the layer's updated
     cache). draft_len > 0: the batch is speculative verify rows (each request its last token and draft_len drafts,
     or none); a Gated DeltaNet layer then leaves its slots alone and returns, instead of its cache, what
     commit_verified needs (an attention layer writes its KV pages as usual: a rejected position's are overwritten
-    later, and takes its kernel's short-query launch)."""
+    later, and takes its kernel's short-query launch). moe_rows [T] bool: the only tokens whose output is read (the
+    sparse MoE routes no other; their outputs are not the layer's), None: all."""
     h = ops.norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     if mixer == FULL_ATTENTION:
         h, c = attention_layer(h, p["mixer"], c, batch, cfg, jnp.asarray(cfg.rope_inv_freq()), ops.attention,
@@ -191,7 +192,8 @@ def decoder_layer(x: jax.Array, p: dict, c: dict, batch: Ragged, cfg: ModelConfi
     x = x + h
     h = ops.norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_plus_one)
     if moe:
-        h = ops.moe(h, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob, batch.token_valid)
+        h = ops.moe(h, p["mlp"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                    batch.token_valid if moe_rows is None else moe_rows)
     else:
         h = swiglu_mlp(h, p["mlp"]["w_gate"], p["mlp"]["w_up"], p["mlp"]["w_down"], ops.dense)
     return x + h, c

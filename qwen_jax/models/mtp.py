@@ -59,8 +59,8 @@ def mtp_forward(params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array,
     previous MTP step's output); tokens: [T] the token following each hidden state's token; batch: positions of the
     hidden states' tokens (draft_len > 0: speculative verify rows of draft_len + 1 tokens, as decoder.forward's).
     Returns (float32 logits [R, V] of the tokens `sample_index` (all T when None), the head's
-    output [T, H] after its final norm (the next draft step's `hidden`), the cache with the head's KV pages
-    updated)."""
+    output [T, H] after its final norm (the next draft step's `hidden`; with sample_index, only those rows: the
+    others' MoE is skipped, as only their KV pages are needed), the cache with the head's KV pages updated)."""
     if not cfg.has_mtp:
         raise ValueError("mtp_forward: this model has no MTP head (cfg.num_mtp_layers is 0)")
     head = params["mtp"]
@@ -68,8 +68,10 @@ def mtp_forward(params: dict, cache: dict, hidden: jax.Array, tokens: jax.Array,
     embedded = ops.norm(params["embed"][tokens], head["pre_fc_norm_embedding"], eps, plus_one)
     hidden = ops.norm(hidden, head["pre_fc_norm_hidden"], eps, plus_one)
     x = ops.dense(jnp.concatenate([embedded, hidden], axis=-1), head["fc"]).astype(embedded.dtype)
+    read = None if sample_index is None else \
+        jnp.zeros(tokens.shape[0], bool).at[sample_index].set(True) & batch.token_valid
     x, pages = layer_call(x, head["layer"], cache["mtp"], batch, cfg=cfg, mixer=FULL_ATTENTION, moe=cfg.mtp_is_moe,
-                          ops=ops, draft_len=draft_len)
+                          ops=ops, draft_len=draft_len, moe_rows=read)
     out = ops.norm(x, head["final_norm"], eps, plus_one)
     logits = lm_head(out if sample_index is None else out[sample_index], params, cfg)
     return logits, out, {**cache, "mtp": pages}
