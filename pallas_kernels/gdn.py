@@ -1,12 +1,13 @@
 """The Gated DeltaNet recurrence of a flat ragged batch on the GPU: the decode kernel (gdn_decode) for one-token
 requests, the chunked prefill kernels (gdn_prefill) for the rest, into one output and one state buffer, both in place;
-and speculative verify rows through gdn_decode's verify kernel. They have the contracts of
-qwen_jax.layers.gated_deltanet.delta_rule and verify_delta_rule and must never take over the layer's projections,
-conv or gated norm."""
+speculative verify rows through gdn_decode's verify kernel, and their commit (gdn_commit). They have the contracts of
+qwen_jax.layers.gated_deltanet.delta_rule, verify_delta_rule and commit_verified and must never take over the layer's
+projections, conv or gated norm."""
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gdn_commit import commit
 from pallas_kernels.gdn_decode import decode, verify
 from pallas_kernels.gdn_prefill import prefill
 
@@ -45,3 +46,12 @@ def verify_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b:
     (gdn_decode.verify, block_v and num_warps its own); interpret=None interprets on CPU only."""
     return verify(q, k, v, a, b, A_log, dt_bias, ssm, batch, draft_len, jnp.zeros(v.shape, v.dtype),
                   block_v=block_v, num_warps=num_warps, interpret=interpret)
+
+
+def commit_verified(cache: dict, pending: dict, batch, num_accepted: jax.Array, *, block_v: int | None = None,
+                    num_warps: int = 4, interpret: bool | None = None) -> dict:
+    """After verify rows: each row's slot of one GDN layer's cache {"ssm", "conv_q", "conv_k", "conv_v"} set to its
+    state after its first num_accepted [R] tokens, from verify_delta_rule's states and the convs' inputs (`pending`,
+    gdn_layer_verify's); all four updated in place (donate them). One launch (gdn_commit.commit, block_v and
+    num_warps its own); interpret=None interprets on CPU only."""
+    return commit(cache, pending, batch, num_accepted, block_v=block_v, num_warps=num_warps, interpret=interpret)

@@ -110,15 +110,39 @@ def head_parallel_verify_delta_rule(cfg: ModelConfig, mesh: Mesh, verify_delta_r
     return verify
 
 
+def head_parallel_commit(cfg: ModelConfig, mesh: Mesh, commit: Callable) -> Callable:
+    """`commit_verified` (one GDN layer's commit after a verify step) with each cache array and its pending
+    counterpart split as the rules split them: ssm and conv_v (the per-token states, the v inputs) by value heads,
+    conv_q and conv_k (the q, k inputs) by key heads. Each device copies its own heads (the kernel's programs write
+    every key head a device holds, so replicated key heads are written whole on every device, alike)."""
+    if all(kind == FULL_ATTENTION for kind in cfg.layer_types):
+        return commit
+    v_axes = _split_axes("gdn_value_heads", cfg.linear_num_value_heads, mesh)
+    k_axes = _split_axes("gdn_key_heads", cfg.linear_num_key_heads, mesh) or None
+    if not v_axes:
+        return commit
+    windows = {"conv_q": P(None, None, k_axes, None), "conv_k": P(None, None, k_axes, None),
+               "conv_v": P(None, None, v_axes, None), "ssm": P(None, v_axes, None, None)}
+    inputs = {"conv_q": P(None, k_axes, None), "conv_k": P(None, k_axes, None), "conv_v": P(None, v_axes, None),
+              "ssm": P(None, v_axes, None, None)}
+
+    def sharded(cache, pending, batch, num_accepted):
+        return jax.shard_map(commit, mesh=mesh, in_specs=(windows, inputs, P(), P()), out_specs=windows,
+                             axis_names=set(MODEL_AXES), check_vma=False)(cache, pending, batch, num_accepted)
+
+    return sharded
+
+
 def ops_for_mesh(cfg: ModelConfig, mesh: Mesh, kernels: str) -> Ops:
     """A mesh's ops: ops_for(kernels) when one device holds the whole model; else that bundle as XLA's
     partitioner runs it (layers/ops.py keeps the projections, norms and convs on XLA, which splits a dot by the
-    weights' shardings but cannot split a Pallas call), with attention, the delta rule (and its verify form) and the
-    MoE's experts (sharding/moe.py) each split over the model axes here."""
+    weights' shardings but cannot split a Pallas call), with attention, the delta rule (its verify form and the
+    verify commit) and the MoE's experts (sharding/moe.py) each split over the model axes here."""
     if model_parallel_size(mesh) == 1:
         return ops_for(kernels)
     ops = ops_for(kernels, partitioned=True)
     return dataclasses.replace(ops, attention=head_parallel_attention(cfg, mesh, ops.attention),
                                delta_rule=head_parallel_delta_rule(cfg, mesh, ops.delta_rule),
                                verify_delta_rule=head_parallel_verify_delta_rule(cfg, mesh, ops.verify_delta_rule),
+                               commit_verified=head_parallel_commit(cfg, mesh, ops.commit_verified),
                                moe=expert_parallel_moe(cfg, mesh, ops.experts) if cfg.moe_layers else ops.moe)

@@ -243,7 +243,7 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
         verified = verify(logits, proposed[:, :draft_len], tensors._replace(rng=rng),
                           num_top_logprobs=num_top_logprobs, path=path)
         emitted = jnp.where(live, verified.num_emitted, 0)
-        cache = decoder.commit_verified_layers(cache, pending, moved, emitted)
+        cache = decoder.commit_verified_layers(cache, pending, moved, emitted, ops)
         last = verified.tokens[rows, jnp.maximum(emitted - 1, 0)]
         # the head's tokens: each verified token's successor, the token emitted after it (0 past the emitted ones)
         following = jnp.zeros(size, jnp.int32).at[to].set(jnp.maximum(verified.tokens, 0), mode="drop")

@@ -25,6 +25,9 @@ Each op has one contract, shared by its reference and its kernel; `batch` is the
       speculative verify rows of draft_len + 1 tokens, ssm only read  (qwen_jax.layers.gated_deltanet.verify_delta_rule)
   verify_conv(xs, caches, weights, batch) -> outs, the convs of verify rows, caches only read
                                                               (qwen_jax.layers.gated_deltanet.verify_causal_convs)
+  commit_verified(cache, pending, batch, num_accepted [R]) -> cache, one GDN layer's slots {"ssm", "conv_q",
+      "conv_k", "conv_v"} set to each verify row's state after its accepted tokens (the kernel: one launch, in place)
+                                                              (qwen_jax.layers.gated_deltanet.commit_verified)
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ import jax
 from pallas_kernels import gdn, moe_gemm, paged_attention, rms_norm, router, skinny_matmul
 from pallas_kernels.tiling import triton_available
 from qwen_jax.layers.attention import paged_attention as attention_reference
-from qwen_jax.layers.gated_deltanet import causal_convs, delta_rule, verify_causal_convs, verify_delta_rule
+from qwen_jax.layers.gated_deltanet import (
+    causal_convs,
+    commit_verified,
+    delta_rule,
+    verify_causal_convs,
+    verify_delta_rule,
+)
 from qwen_jax.layers.mlp import dense, routed_experts_f32, sparse_moe
 from qwen_jax.layers.norms import rms_norm as norm_reference
 
@@ -66,6 +75,7 @@ class Ops:
     conv: Callable
     verify_delta_rule: Callable
     verify_conv: Callable
+    commit_verified: Callable
 
 
 # Below this contraction XLA's one-row reduction is as fast as the one-row kernel. The shared expert's down
@@ -138,7 +148,7 @@ def ops_for(kernels: str, partitioned: bool = False) -> Ops:
     if resolve_kernels(kernels) == "reference":
         return Ops(attention=attention_reference, delta_rule=delta_rule, moe=sparse_moe, experts=routed_experts_f32,
                    dense=dense, norm=norm_reference, conv=causal_convs, verify_delta_rule=verify_delta_rule,
-                   verify_conv=verify_causal_convs)
+                   verify_conv=verify_causal_convs, commit_verified=commit_verified)
     dense_op = dense if partitioned else dense_kernel
     return Ops(attention=paged_attention.paged_attention, delta_rule=gdn.delta_rule,
                moe=functools.partial(sparse_moe, dense_op=dense_op, route_op=router.route_logits,
@@ -146,4 +156,5 @@ def ops_for(kernels: str, partitioned: bool = False) -> Ops:
                experts=moe_gemm.routed_experts, dense=dense_op,
                norm=norm_reference if partitioned else norm_kernel,
                conv=causal_convs if partitioned else conv_kernel, verify_delta_rule=gdn.verify_delta_rule,
-               verify_conv=verify_causal_convs if partitioned else verify_conv_kernel)
+               verify_conv=verify_causal_convs if partitioned else verify_conv_kernel,
+               commit_verified=gdn.commit_verified)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.batch import Ragged
-from qwen_jax.layers.gated_deltanet import commit_verified, gdn_layer, gdn_layer_verify
+from qwen_jax.layers.gated_deltanet import gdn_layer, gdn_layer_verify
 from qwen_jax.layers.mlp import swiglu_mlp
 from qwen_jax.layers.norms import rms_norm
 from qwen_jax.layers.ops import Ops
@@ -244,8 +244,9 @@ def forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: Mo
 
 
 # ---- speculative verification ----------------------------------------------------------------------------------------
-def commit_verified_layers(cache: dict, pending: list, batch: Ragged, num_accepted: jax.Array) -> dict:
+def commit_verified_layers(cache: dict, pending: list, batch: Ragged, num_accepted: jax.Array, ops: Ops) -> dict:
     """Each verify row's recurrent state (every GDN layer) set to the one after its num_accepted [R] first tokens
-    (layers.gated_deltanet.commit_verified); attention layers (and the MTP head's pages) as they are."""
-    return {**cache, "layers": [c if p is None else commit_verified(c, p, batch, num_accepted)
+    (`ops.commit_verified`: one kernel launch a layer on a GPU); attention layers (and the MTP head's pages) as they
+    are."""
+    return {**cache, "layers": [c if p is None else ops.commit_verified(c, p, batch, num_accepted)
                                 for c, p in zip(cache["layers"], pending, strict=True)]}
