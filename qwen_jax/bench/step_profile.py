@@ -28,7 +28,7 @@ from qwen_jax.config import load_config
 from qwen_jax.engine import step
 from qwen_jax.engine.core import engine_args
 from qwen_jax.engine.replica import DECODE_STEPS, Replica
-from qwen_jax.engine.runner import ModelRunner
+from qwen_jax.engine.runner import VERIFY_ROUNDS_PER_DECODE_STEP, ModelRunner
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
 from qwen_jax.engine.speculative import speculation
@@ -255,7 +255,7 @@ def main(argv: Seq[str] | None = None) -> dict:
     params = dummy_params(cfg, seed=0, shardings=rules.param_shardings(cfg, mesh))
     ahead = args.num_scheduler_steps or DECODE_STEPS  # decode steps a program may run past the context
     # positions past the context a decode row (or a verify row's rounds and their drafts) writes
-    room = max([ahead, *(ahead * (k + 1) + k for k in drafts)])
+    room = max([ahead, *(ahead * VERIFY_ROUNDS_PER_DECODE_STEP * (k + 1) + k for k in drafts)])
     longest = max([args.context + room, *prefills])
     # KV blocks for every decode row's context; a prefill reuses the first rows' blocks.
     blocks = max(max(batches, default=0) * blocks_for(args.context + 1, room), blocks_for(longest))

@@ -73,9 +73,9 @@ def speculation(config: dict | str | None, has_mtp: bool = True) -> Speculation:
 # rounds a program for up to 8 rows, as the engine runs them) over the plain decode step's time a token (four steps a
 # program for up to 8 rows). Wall time, not GPU time: a verify program is read back before the next is planned, so
 # its host time counts. One H200, Qwen3.5-35B-A3B with random weights, context 1,536, `python -m
-# qwen_jax.bench.step_profile --kernels gpu --batches 1,4,16,64 --verify 0,2,3 --context 1536` (RESULTS.json).
+# qwen_jax.bench.step_profile --kernels gpu --batches 1,4,16,64 --verify 0,1,2,3 --context 1536` (RESULTS.json).
 # Rows between two entries take the larger's; past the last entry nothing is measured and no step speculates.
-VERIFY_COST = {1: (None, 2.44, 2.63), 4: (None, 2.26, 2.58), 16: (None, 2.57, 2.94), 64: (None, 1.73, 1.94)}
+VERIFY_COST = {1: (1.83, 2.21, 2.38), 4: (1.72, 2.09, 2.39), 16: (2.01, 2.44, 2.69), 64: (1.59, 1.70, 1.87)}
 # A fresh engine expects each draft accepted with this probability (Qwen3.5's head on real text: acceptance lengths
 # ~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3), held as PRIOR_ROWS verified rows' worth of evidence.
 PRIOR_ACCEPTANCE, PRIOR_ROWS = 0.8, 8.0

@@ -29,12 +29,13 @@ def test_step_profile_times_decode_verify_and_prefill_steps_and_each_layer_kind(
                for row in report["decode"])
     assert [(row["verify_batch"], row["draft_tokens"]) for row in report["verify"]] == [(2, 0), (9, 0), (2, 1), (9, 1)]
     for row in report["verify"]:
-        assert row["step_ms"] > 0 and row["compile_and_first_s"] > 0 and row["gpu_ms"] >= 0
+        # a verify runner compiles its programs up front: the first step can take under 5 ms (0.0 s rounded)
+        assert row["step_ms"] > 0 and row["compile_and_first_s"] >= 0 and row["gpu_ms"] >= 0
         assert set(row["host_ms"]) == {"prepare", "issue", "wait"}
         # no kernel events on the CPU: the tables are there, empty
         assert row["profile"]["top_kernels"] == row["profile"]["top_kernel_families"] == []
         # k > 0: the rounds one program runs for that many rows, as the engine runs them (several for a few rows)
-        assert row["rounds"] == (3 if row["draft_tokens"] and row["verify_batch"] == 2 else 1)
+        assert row["rounds"] == (6 if row["draft_tokens"] and row["verify_batch"] == 2 else 1)
         if row["draft_tokens"]:
             assert row["round_ms"] == pytest.approx(row["step_ms"] / row["rounds"], abs=1e-3)
     assert [row["prefill_tokens"] for row in report["prefill"]] == [24]

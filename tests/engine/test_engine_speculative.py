@@ -146,7 +146,7 @@ def test_a_bad_speculative_config_is_a_clear_error(config, problem):
 
 
 def test_several_rounds_a_program_emit_what_plain_decoding_emits(plain, hybrid_mtp_dir, kit):
-    """With several decode steps a program (num_scheduler_steps 4), a few rows verify four rounds in one program,
+    """With several decode steps a program (num_scheduler_steps 4), a few rows verify eight rounds in one program,
     each round's positions after the tokens emitted before it: greedy and seeded rows, rows that end inside a
     program (EOS, max_tokens) and rows joining later give plain decoding's tokens."""
     k = 2
@@ -158,7 +158,7 @@ def test_several_rounds_a_program_emit_what_plain_decoding_emits(plain, hybrid_m
     got, expected = llm.generate(prompts, params), plain.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert [(o.finish_reason, o.stop_reason) for o in got] == [(o.finish_reason, o.stop_reason) for o in expected]
-    for one, params_one in zip(prompts, params):  # alone: every program is four rounds of one row
+    for one, params_one in zip(prompts, params):  # alone: every program is eight rounds of one row
         assert llm.generate([one], params_one)[0].token_ids == plain.generate([one], params_one)[0].token_ids
     stats = llm.engine.stats()
     assert stats["spec_drafted_tokens_total"] == k * stats["spec_verified_rows_total"] > 0
