@@ -25,20 +25,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--settings", default="default,off", help="speculative_config values; 'default': none given")
     args = ap.parse_args()
-    prompt = [int(t) for t in np.random.default_rng(0).integers(1000, 200000, args.prompt_len)]
+    # three prompts: warm-up, TTFT, timed; each its own, so none finds the others' pages in the prefix cache
+    prompts = [[int(t) for t in np.random.default_rng(seed).integers(1000, 200000, args.prompt_len)]
+               for seed in range(3)]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     many = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for setting in args.settings.split(","):
         llm = LLM(args.model, load_format=args.load_format, max_num_seqs=4, max_num_batched_tokens=2048,
                   max_model_len=args.prompt_len + args.max_tokens + 64,
                   speculative_config=None if setting == "default" else setting)
-        llm.generate([prompt], many)  # compiles every program the timed runs use
+        llm.generate([prompts[0]], many)  # compiles every program the timed runs use
         t = time.perf_counter()
-        llm.generate([prompt], one)
+        llm.generate([prompts[1]], one)
         ttft = time.perf_counter() - t
         before = llm.engine.stats()
         t = time.perf_counter()
-        out = llm.generate([prompt], many)[0]
+        out = llm.generate([prompts[2]], many)[0]
         total = time.perf_counter() - t
         after = llm.engine.stats()
         rounds = after["spec_verified_rows_total"] - before["spec_verified_rows_total"]
