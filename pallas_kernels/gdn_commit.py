@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.tiling import pallas_backend
+
 STATES = ("ssm", "conv_q", "conv_k", "conv_v")  # the cache arrays, in the order the kernel takes and returns them
 
 
@@ -100,18 +102,7 @@ def commit(cache: dict, pending: dict, batch, num_accepted: jax.Array, *, block_
         out_shape=tuple(jax.ShapeDtypeStruct(cache[n].shape, cache[n].dtype) for n in STATES),
         grid=(batch.query_len.shape[0], nv, dv // block_v),
         input_output_aliases={9: 0, 10: 1, 11: 2, 12: 3},
-        **_backend(interpret, num_warps, num_stages),
+        **pallas_backend(interpret, num_warps, num_stages),
         name="gdn_commit",
     )
     return dict(zip(STATES, call(*fields, *(pending[n] for n in STATES), *(cache[n] for n in STATES)), strict=True))
-
-
-def _backend(interpret: bool | None, num_warps: int, num_stages: int) -> dict:
-    """pallas_call's interpret and compiler_params: interpret on CPU unless told; Triton's launch options else."""
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    if interpret:
-        return dict(interpret=True, compiler_params=None)
-    from jax.experimental.pallas import triton as pltriton  # GPU only; Mosaic GPU is the default otherwise
-
-    return dict(interpret=False, compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gdn_math import L2_EPS, softplus
+from pallas_kernels.tiling import pallas_backend
 
 
 def _token_step(s, t, h, cols, q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, repeat: int):
@@ -116,7 +117,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array,
         out_shape=(jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(ssm.shape, ssm.dtype)),
         grid=(requests, nv, dv // block_v),
         input_output_aliases={11: 0, 12: 1},
-        **_backend(interpret, num_warps, num_stages),
+        **pallas_backend(interpret, num_warps, num_stages),
         name="gdn_decode",
     )
     return call(*_request_fields(batch), q, k, v, a, b, A_log, dt_bias, out, ssm)
@@ -147,7 +148,7 @@ def verify(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array,
                                                                                     jnp.float32)),
         grid=(batch.query_len.shape[0], nv, dv // block_v),
         input_output_aliases={12: 0},
-        **_backend(interpret, num_warps, num_stages),
+        **pallas_backend(interpret, num_warps, num_stages),
         name="gdn_verify",
     )
     return call(*_request_fields(batch), q, k, v, a, b, A_log, dt_bias, ssm, out)
@@ -157,14 +158,3 @@ def _request_fields(batch) -> tuple[jax.Array, ...]:
     """The batch fields both kernels read, as int32: query_start, query_len, state_slot, fresh."""
     return tuple(jnp.asarray(x).astype(jnp.int32) for x in (batch.query_start, batch.query_len, batch.state_slot,
                                                              batch.fresh))
-
-
-def _backend(interpret: bool | None, num_warps: int, num_stages: int) -> dict:
-    """pallas_call's interpret and compiler_params: interpret on CPU unless told; Triton's launch options else."""
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    if interpret:
-        return dict(interpret=True, compiler_params=None)
-    from jax.experimental.pallas import triton as pltriton  # GPU only; Mosaic GPU is the default otherwise
-
-    return dict(interpret=False, compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))

@@ -1,5 +1,6 @@
-"""How the kernels here size their launches: tile sizes that divide a dimension, how far a weight-streaming kernel
-splits its contraction, and whether native Triton kernels (jax-triton) can launch on this machine.
+"""How the kernels here size and launch their calls: tile sizes that divide a dimension, how far a weight-streaming
+kernel splits its contraction, a Pallas call's interpret / Triton options, and whether native Triton kernels
+(jax-triton) can launch on this machine.
 
 Shared by several kernels, so none imports another's helpers; it must never choose between a kernel and its jnp
 reference (qwen_jax/layers/ops.py does).
@@ -43,3 +44,14 @@ def split_contraction(programs: int, steps: int, split_k: int | None = None, wan
 def triton_available() -> bool:
     """Whether native Triton kernels can launch here: a GPU backend and jax-triton installed (the cuda extra)."""
     return jax.default_backend() == "gpu" and importlib.util.find_spec("jax_triton") is not None
+
+
+def pallas_backend(interpret: bool | None, num_warps: int, num_stages: int) -> dict:
+    """pallas_call's interpret and compiler_params: interpret on CPU unless told; Triton's launch options else."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if interpret:
+        return dict(interpret=True, compiler_params=None)
+    from jax.experimental.pallas import triton as pltriton  # GPU only; Mosaic GPU is the default otherwise
+
+    return dict(interpret=False, compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))
