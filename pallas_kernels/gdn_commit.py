@@ -67,7 +67,7 @@ def _commit_key_windows(conv_q_ref, conv_k_ref, x_q_ref, x_k_ref, slot, key_head
 
 
 def default_block_v(dv: int) -> int:
-    """min(64, dv) value columns a program, with 4 warps: the fastest, or within 0.2 us of it, of 16/32/64 columns x
+    """min(64, dv) value columns a program, with 4 warps: the fastest, or within 0.5 us of it, of 16/32/64 columns x
     1/2/4 warps at 1, 4, 16 and 64 requests (H200, 35B-A3B shapes: 2.7 us at one request, 75.7 us at 64)."""
     return min(64, dv)
 
