@@ -69,31 +69,31 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 3)
 
 
-def time_steps(runner: ModelRunner, rows: list[Row], steps: int, ahead: bool = True) -> dict:
+def time_steps(runner: ModelRunner, rows: list[Row], steps: int) -> dict:
     """The step of `rows` run `steps` times in the engine core's order: each issued before the previous one's tokens
-    are read back (`ahead`, plain steps), or each read back before the next is built (a verify step: how many tokens
-    a row emitted decides where its next step starts). Median milliseconds of each iteration (in steady state: the
-    step's time) and of its host parts: building the step's inputs, issuing its programs, waiting for the previous
-    (or this) step's tokens. The first step (compiling its programs) is timed apart."""
+    are read back (a verify step: caught up on the previous one on the device, as the core runs it). Median
+    milliseconds of each iteration (in steady state: the step's time) and of its host parts: building the step's
+    inputs, issuing its programs, waiting for the previous step's tokens. The first step (compiling its programs)
+    is timed apart."""
     t0 = time.perf_counter()
     runner.fetch(runner.execute(runner.prepare(rows)))
     first = time.perf_counter() - t0
     parts = {"prepare": [], "issue": [], "wait": [], "step": []}
-    previous = runner.execute(runner.prepare(rows)) if ahead else None
+    in_flight = rows if rows[0].drafts else []
+    previous = runner.execute(runner.prepare(rows))
     for _ in range(steps):
         t = [time.perf_counter()]
-        ops = runner.prepare(rows)
+        ops = runner.prepare(rows, in_flight=in_flight)
         t.append(time.perf_counter())
         out = runner.execute(ops)
         t.append(time.perf_counter())
-        runner.fetch(previous if ahead else out)
+        runner.fetch(previous)
         t.append(time.perf_counter())
         previous = out
         for key, a, b in zip(("prepare", "issue", "wait"), t, t[1:]):
             parts[key].append(b - a)
         parts["step"].append(t[-1] - t[0])
-    if ahead:
-        runner.fetch(previous)
+    runner.fetch(previous)
     return {"compile_and_first_s": round(first, 2), "step_ms": _median_ms(parts.pop("step")),
             "host_ms": {k: _median_ms(v) for k, v in parts.items()}}
 
@@ -131,8 +131,8 @@ def verify_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, p
     k = runner.num_speculative_tokens tokens. k = 0: the plain one-token decode step. Else the verify step as the
     scheduler makes it (each row its last token and k drafts, Scheduler._speculate, in as many rounds a program as
     the engine runs for that many rows): step.verify_step verifies the drafts the head left on the device, commits
-    every recurrent state and drafts the next k, round after round, and each program is read back before the next
-    is built. Wall and GPU time of a program and of each round; `profile`: also its TOP kernels."""
+    every recurrent state and drafts the next k, round after round, and each program is issued before the one
+    before it is read back. Wall and GPU time of a program and of each round; `profile`: also its TOP kernels."""
     k = runner.num_speculative_tokens
     rounds = runner.verify_rounds(batch, k) if k else 1
     # blocks for every round's tokens and the positions its last drafts are made at
@@ -143,7 +143,7 @@ def verify_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, p
         row.update(time_steps(runner, rows, steps), gpu_ms=gpu_ms(runner, rows))
     else:
         rows = [Row(seq, context, k + 1, samples=True, drafts=k, steps=rounds) for seq in seqs]
-        row.update(time_steps(runner, rows, steps, ahead=False), gpu_ms=gpu_ms(runner, rows))
+        row.update(time_steps(runner, rows, steps), gpu_ms=gpu_ms(runner, rows))
     if profile:
         row["profile"] = profile_calls(lambda: (runner.execute(runner.prepare(rows)).tokens, runner.drafts),
                                        calls=3, top=profile)

@@ -1,6 +1,8 @@
 """EngineCore: the engine's device side. It builds one Replica (scheduler + runner on its own devices) per
 data-parallel replica, takes requests, and runs the step loop one step ahead of the device: it plans and issues step
-N+1, then reads back step N's tokens and applies them (EOS, stop token ids, max_tokens, max_model_len).
+N+1, then reads back step N's tokens and applies them (EOS, stop token ids, max_tokens, max_model_len). Step N+1 may
+follow a verify program N whose outcome (how many drafts each row accepted) is not known yet: the host books every
+draft and the device moves N+1's positions back by what N rejected (runner.step_inputs, step.stage_behind).
 
 It emits per-request token outputs (CoreOutput) and never detokenizes: text, stop strings and RequestOutputs are the
 front's (engine/output.py). It runs in its own process under the server (engine/core_client.py) or in the caller's
@@ -23,7 +25,7 @@ from qwen_jax.engine.model_files import eos_ids, load_tokenizer, read_model_conf
 from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
-from qwen_jax.engine.sequence import Sequence
+from qwen_jax.engine.sequence import Sequence, Status
 from qwen_jax.engine.speculative import MAX_DRAFTS, VerifyOutput, speculation
 from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
@@ -114,9 +116,12 @@ class _InFlight:
     @property
     def read_first(self) -> bool:
         """The next step cannot be planned before this one is read back: it samples for a request under a grammar
-        (whose next mask needs this step's token), or verifies drafts (how many tokens each row emits decides where
-        the next step starts)."""
-        return any(row.drafts or row.samples and row.seq.grammar is not None for row in self.rows)
+        (whose next mask needs this step's token)."""
+        return any(row.samples and row.seq.grammar is not None for row in self.rows)
+
+    @property
+    def verifies(self) -> bool:
+        return bool(self.rows and self.rows[0].drafts)
 
 
 class EngineCore:
@@ -279,7 +284,8 @@ class EngineCore:
         A request that ends at step N has one more token computed in step N+1, which is dropped. Anything that
         raises while one request's share of a step is built or applied fails that request alone (`_fail`).
         A replica whose last step sampled for a request under a grammar reads it back before planning the next (the
-        request's next mask needs that token), as vLLM does; other batches keep the step ahead."""
+        request's next mask needs that token), as vLLM does; other batches keep the step ahead, verify programs
+        included (the next step catches up on the device on what the one before it accepted)."""
         start = time.perf_counter()
         issued, outputs = [], []
         ahead = []
@@ -293,7 +299,8 @@ class EngineCore:
             plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running))
             if plan.empty:
                 continue
-            rows, ops, failed = self._prepare(replica, plan.rows, plan.head)
+            verifying = next((s.rows for s in ahead if s.replica is replica and s.verifies), [])
+            rows, ops, failed = self._prepare(replica, plan.rows, plan.head, verifying)
             outputs += failed
             if rows:
                 dispatch = time.perf_counter()
@@ -324,20 +331,21 @@ class EngineCore:
             "waiting": sum(len(r.scheduler.waiting) for r in self.replicas),
             "running": sum(len(r.scheduler.running) for r in self.replicas)}) + "\n")
 
-    def _prepare(self, replica: Replica, rows: list[Row], head: bool) -> tuple[list[Row], list | None,
-                                                                                list[CoreOutput]]:
-        """A planned step's ops; when building them raises, the requests whose rows fail alone are failed and the
-        step is built without them: (the rows issued, their ops, the failed requests' outputs). A failure that no
-        single row explains is the engine's and propagates."""
+    def _prepare(self, replica: Replica, rows: list[Row], head: bool, verifying: list[Row]
+                 ) -> tuple[list[Row], list | None, list[CoreOutput]]:
+        """A planned step's ops (`verifying`: the rows of the replica's verify program in flight); when building
+        them raises, the requests whose rows fail alone are failed and the step is built without them: (the rows
+        issued, their ops, the failed requests' outputs). A failure that no single row explains is the engine's and
+        propagates."""
         try:
-            return rows, replica.runner.prepare(rows, head), []
+            return rows, replica.runner.prepare(rows, head, verifying), []
         except Exception:
-            culprits = replica.runner.failing_rows(rows)
+            culprits = replica.runner.failing_rows(rows, verifying)
             if not culprits:
                 raise
         failed = [self._fail(replica, row.seq, exc) for row, exc in culprits]
         rows = [row for row in rows if row.seq.request_id not in {out.request_id for out in failed}]
-        return rows, replica.runner.prepare(rows, head) if rows else None, failed
+        return rows, replica.runner.prepare(rows, head, verifying) if rows else None, failed
 
     def _fail(self, replica: Replica, seq: Sequence, exc: Exception) -> CoreOutput:
         """End one request because handling it raised: its client gets the error, every other request goes on."""
@@ -366,7 +374,9 @@ class EngineCore:
             if emitted is not None:  # the step booked every draft as computed; the rejected ones were not
                 rounds = [int(n) for n in emitted[i]]
                 count = sum(rounds)
-                row.seq.num_computed_tokens -= row.steps * (row.drafts + 1) - count
+                row.seq.num_unverified -= row.steps * row.drafts
+                if row.seq.status == Status.RUNNING:  # not preempted since (that set its count to 0)
+                    row.seq.num_computed_tokens -= row.steps * (row.drafts + 1) - count
                 self.spec_rows += row.steps
                 self.spec_drafted += row.steps * row.drafts
                 self.spec_accepted += count - row.steps

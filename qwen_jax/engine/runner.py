@@ -45,11 +45,8 @@ def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-# A verify program of a few rows runs this many rounds per decode step a decode program runs: it is read back before
-# the next is planned (where a row's next round starts depends on what it accepted), so its ~6 ms of host time a call
-# is not hidden behind the device as a decode program's is, and more rounds share it (H200, 35B-A3B, one request,
-# k = 2: 6.09 ms of wall time a round at eight rounds a program against 7.26 ms at four). Rows that end inside a
-# program compute the rest of its rounds for nothing.
+# A verify program of a few rows runs this many rounds per decode step a decode program runs: a program's ~6 ms of
+# host time is shared by more tokens. Rows that end inside a program compute the rest of its rounds for nothing.
 VERIFY_ROUNDS_PER_DECODE_STEP = 2
 
 
@@ -86,7 +83,7 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.step_seed = seed * 1_000_003
         self.has_snapshots = bool(num_snapshots and cfg.is_hybrid)
-        self.cache = self.snapshots = self.penalty_counts = self.last_tokens = self.drafts = None
+        self.cache = self.snapshots = self.penalty_counts = self.last_tokens = self.drafts = self.emitted = None
         if params is not None:
             self.cache = rules.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots)
             put = self._put
@@ -94,6 +91,8 @@ class ModelRunner:
             self.last_tokens = put(np.zeros(max_num_seqs, np.int32))
             # speculative decoding: the drafts proposed for each row of the last step (row r: sample row r's)
             self.drafts = put(np.zeros((max_num_seqs, num_speculative_tokens), np.int32))
+            # each row's tokens emitted by the last verify program (the next step's catch-up: step.stage_behind)
+            self.emitted = put(np.zeros(max_num_seqs, np.int32))
         if params is not None and self.has_snapshots:  # GDN state only (+ the sink at 0), split like the cache
             snapshot_cache = rules.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1)["layers"]
             self.snapshots = [snapshot_cache[i] for i in step.gdn_indices(cfg)]
@@ -109,6 +108,8 @@ class ModelRunner:
         self._verifiers: dict[tuple[int, int, int], tuple[step.Layout, jax.stages.Compiled]] = {}
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self._stagers: dict[int, jax.stages.Compiled] = {}  # packed-input size -> its stage_inputs program
+        # (inputs layout, sampling layout) -> its stage_behind program, compiled ahead for the common sampling layout
+        self._behind_stagers: dict[tuple[step.Layout, step.Layout], jax.stages.Compiled] = {}
         self._samplers: dict[tuple, jax.stages.Compiled] = {}
         # None: every bucket, compiled when first needed. Else (compiling in the background) the buckets that are
         # compiled and have run once: a program's first run costs the host 0.4-1.3 s (H200, 35B-A3B: loading it and
@@ -130,9 +131,10 @@ class ModelRunner:
         return jax.tree.map(lambda a: rules.put(a, sharding), tree)
 
     # ---- a step's host data ----------------------------------------------------------------------------------
-    def step_inputs(self, rows: list[Row]) -> tuple[np.ndarray, step.Layout]:
+    def step_inputs(self, rows: list[Row], in_flight: list[Row] = ()) -> tuple[np.ndarray, step.Layout]:
         """The forward's packed inputs for `rows` (padded to a token bucket and its request count); also records,
-        for each sampling row, where its token will be (seq.sample_row)."""
+        for each sampling row, where its token will be (seq.sample_row). `in_flight`: the rows of the verify
+        program issued before this step and not read back yet (their sequences' counts are ahead: step.Behind)."""
         num_tokens = sum(r.num_tokens for r in rows)
         padded = step.bucket_for(max(num_tokens, 1), self._ready or self.token_buckets)
         num_requests = step.request_bucket(padded, self.max_num_seqs)
@@ -158,9 +160,23 @@ class ModelRunner:
         for i, r in enumerate(rows):
             if r.samples:
                 r.seq.sample_row = i
+        behind = self._behind(rows, in_flight, num_requests) if self.num_speculative_tokens else None
         if rows and rows[0].drafts:
-            return step.pack_inputs(tokens, batch, source, draft_source=draft_source)
-        return step.pack_inputs(tokens, batch, source, self._following(rows, num_requests))
+            return step.pack_inputs(tokens, batch, source, draft_source=draft_source, behind=behind)
+        return step.pack_inputs(tokens, batch, source, self._following(rows, num_requests), behind=behind)
+
+    @staticmethod
+    def _behind(rows: list[Row], in_flight: list[Row], num_requests: int) -> step.Behind:
+        """How far each row's counts run ahead of the truth while the verify program of `in_flight` runs (which
+        booked every draft as computed and one sample a round: Scheduler._book)."""
+        behind = step.Behind.none(num_requests)
+        verifying = {id(row.seq): (j, row) for j, row in enumerate(in_flight)}
+        for i, r in enumerate(rows):
+            if id(r.seq) in verifying:
+                j, earlier = verifying[id(r.seq)]
+                behind.row[i], behind.counted[i] = j, earlier.steps
+                behind.booked[i] = earlier.steps * (earlier.drafts + 1)
+        return behind
 
     def _following(self, rows: list[Row], num_requests: int) -> np.ndarray | None:
         """A model that speculates: each row's token after its last (the prompt's next one after a chunk that ends
@@ -174,16 +190,19 @@ class ModelRunner:
                 following[i] = r.seq.token_ids(end, end + 1)[0]
         return following
 
-    def prepare(self, rows: list[Row], head: bool = False) -> list:
+    def prepare(self, rows: list[Row], head: bool = False, in_flight: list[Row] = ()) -> list:
         """The device work of one planned step as host data, an op list run in order by the executor:
         ("restore", src, dst) copies snapshots into state slots; ("penalties", rows, ids, num_prompt, num_tokens)
         resets the penalty counts of sequences entering the batch; ("step", inputs, input layout, sampling,
-        sampling layout, cut path, top logprobs, penalties on, head) runs the forward and the sampler (and, `head`,
-        the MTP head: StepPlan.head); ("decode_steps", ..., steps) several decode steps; ("verify", ..., drafts a
-        row, rounds) speculative decoding's rounds; ("save", src, dst) copies state slots into snapshots. Numpy
-        arrays and plain values only, so a multi-host leader can send the list to the other hosts. Also records,
-        for each sampling row, where its token will be (seq.sample_row)."""
-        buffer, layout = self.step_inputs(rows)
+        sampling layout, cut path, top logprobs, penalties on, head, behind) runs the forward and the sampler (and,
+        `head`, the MTP head: StepPlan.head; `behind`: some row catches up on the verify program `in_flight`,
+        step.stage_behind); ("decode_steps", ..., steps, behind) several decode steps; ("verify", ..., drafts a
+        row, rounds, behind) speculative decoding's rounds; ("save", src, dst) copies state slots into snapshots.
+        Numpy arrays and plain values only, so a multi-host leader can send the list to the other hosts. Also
+        records, for each sampling row, where its token will be (seq.sample_row)."""
+        buffer, layout = self.step_inputs(rows, in_flight)
+        in_flight_seqs = {id(row.seq) for row in in_flight}
+        behind = any(id(r.seq) in in_flight_seqs for r in rows)
         num_requests = step.layout_shape(layout, "query_len")[0]
         sampling = [r.seq.params if r.samples else _GREEDY for r in rows]
         steps = rows[0].steps if rows else 1
@@ -208,13 +227,13 @@ class ModelRunner:
             ops.append(("penalties", *self._penalty_rows(entering)))
         if rows and rows[0].drafts:  # verify rows only (Scheduler._speculate): no penalties, admissions, snapshots
             return [("verify", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size),
-                     top, rows[0].drafts, steps)]
+                     top, rows[0].drafts, steps, behind)]
         if steps > 1:  # decoding rows only (Scheduler._multi_step): no penalties, admissions or snapshots
             ops.append(("decode_steps", buffer, layout, sampling_buffer, sampling_layout,
-                        cut_path(sampling, self.vocab_size), top, steps))
+                        cut_path(sampling, self.vocab_size), top, steps, behind))
             return ops
         ops.append(("step", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size), top,
-                    penalties, head and bool(self.num_speculative_tokens)))
+                    penalties, head and bool(self.num_speculative_tokens), behind))
         save = [(r.seq.slot, r.save_snapshot) for r in rows if r.save_snapshot is not None]
         if save and self.has_snapshots:
             ops.append(("save", *self._pairs(save)))
@@ -232,7 +251,7 @@ class ModelRunner:
             row.seq.grammar.fill_mask(masks, i)
         return masks
 
-    def failing_rows(self, rows: list[Row]) -> list[tuple[Row, Exception]]:
+    def failing_rows(self, rows: list[Row], in_flight: list[Row] = ()) -> list[tuple[Row, Exception]]:
         """The rows whose step cannot be built even alone, each with its error (after `prepare` of them all
         raised). Nothing is issued and no counter moves: the engine fails those requests and builds the step
         again without them."""
@@ -240,7 +259,7 @@ class ModelRunner:
         failing = []
         for row in rows:
             try:
-                self.prepare([row])
+                self.prepare([row], in_flight=in_flight)
             except Exception as exc:
                 failing.append((row, exc))
             self.step_seed = seed
@@ -285,11 +304,11 @@ class ModelRunner:
             elif kind == "penalties":
                 self.penalty_counts = step.init_penalties(self.penalty_counts, *self._put(tuple(args)))
             elif kind == "step":
-                buffer, layout, sampling, sampling_layout, path, top, penalties, head = args
+                buffer, layout, sampling, sampling_layout, path, top, penalties, head, behind = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 forward = self._forward(layout)
                 sample = self._sampler(sampling_layout, path, top, penalties)
-                inputs, sampling = self._stage(layout, buffer, sampling)
+                inputs, sampling = self._stage(layout, buffer, sampling, sampling_layout, behind)
                 logits, self.cache, *head_inputs = forward(self.params, self.cache, self.last_tokens, inputs)
                 out, self.last_tokens, counts = sample(logits, sampling, self.last_tokens,
                                                        self.penalty_counts if penalties else None)
@@ -299,18 +318,18 @@ class ModelRunner:
                     self.cache, self.drafts = self._drafter(layout)(self.params, self.cache, *head_inputs,
                                                                     self.last_tokens, self.drafts, inputs)
             elif kind == "decode_steps":
-                buffer, layout, sampling, sampling_layout, path, top, steps = args
+                buffer, layout, sampling, sampling_layout, path, top, steps, behind = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 program = self._decode_program(layout, sampling_layout, path, top, steps)
-                inputs, sampling = self._stage(layout, buffer, sampling)
+                inputs, sampling = self._stage(layout, buffer, sampling, sampling_layout, behind)
                 out, self.cache, self.last_tokens = program(self.params, self.cache, self.last_tokens, inputs, sampling)
             elif kind == "verify":
-                buffer, layout, sampling, sampling_layout, path, top, draft_len, rounds = args
+                buffer, layout, sampling, sampling_layout, path, top, draft_len, rounds, behind = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
-                inputs, sampling = self._stage(layout, buffer, sampling)
+                inputs, sampling = self._stage(layout, buffer, sampling, sampling_layout, behind)
                 program = self._verifier(layout, sampling_layout, path, top, draft_len, rounds)
-                out, self.cache, self.last_tokens, self.drafts = program(self.params, self.cache, self.last_tokens,
-                                                                         self.drafts, inputs, sampling)
+                out, self.cache, self.last_tokens, self.drafts, self.emitted = program(
+                    self.params, self.cache, self.last_tokens, self.drafts, self.emitted, inputs, sampling)
             elif kind == "compile":
                 self.compile(args[0])
             else:
@@ -320,12 +339,26 @@ class ModelRunner:
                 array.copy_to_host_async()
         return out
 
-    def _stage(self, layout: step.Layout, buffer, sampling) -> tuple[jax.Array, jax.Array]:
+    def _stage(self, layout: step.Layout, buffer, sampling, sampling_layout: step.Layout,
+               behind: bool) -> tuple[jax.Array, jax.Array]:
         """A step's packed inputs on the devices: the forward's copied into its bucket's input buffer (in place),
-        the sampler's as they come."""
+        the sampler's as they come; `behind`: both caught up on the verify program before (step.stage_behind)."""
         buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
-        self._inputs[layout.size] = self._stager(layout.size)(self._input_buffer(layout.size), buffer)
+        inputs = self._input_buffer(layout.size)
+        if behind:
+            self._inputs[layout.size], sampling = self._behind_stager(layout, sampling_layout)(
+                inputs, buffer, sampling, self.emitted)
+        else:
+            self._inputs[layout.size] = self._stager(layout.size)(inputs, buffer)
         return self._inputs[layout.size], sampling
+
+    def _behind_stager(self, layout: step.Layout, sampling_layout: step.Layout):
+        """The stage_behind program of these layouts: compiled with its bucket for the common sampling layout
+        (_compile_speculation), jitted on first use for the others."""
+        program = self._behind_stagers.get((layout, sampling_layout))
+        if program is None:
+            return functools.partial(step.stage_behind, layout=layout, sampling_layout=sampling_layout)
+        return program
 
     def _stager(self, size: int) -> jax.stages.Compiled:
         """The program that copies packed inputs of `size` into their input buffer; compiled with its bucket, so a
@@ -447,14 +480,20 @@ class ModelRunner:
         self._drafters[size] = layout, step.draft_step.lower(
             params, cache, hidden, tokens, last_tokens, drafts, self._packed(layout.size), layout=layout,
             cfg=self.cfg, mesh=self.mesh, kernels=self.kernels, draft_len=self.num_speculative_tokens).compile()
-        layout = self.verify_inputs_for(size)[1]
+        step_layout, layout = layout, self.verify_inputs_for(size)[1]
         sampling_layout = self._padding_sampling(size)[1]
+        emitted = self._abstract(self.emitted)
         for k, rounds in self._verify_variants(size):
             self._verifiers[size, k, rounds] = sampling_layout, step.verify_step.lower(
-                params, cache, last_tokens, drafts, self._packed(layout.size), self._packed(sampling_layout.size),
-                layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh, kernels=self.kernels,
-                draft_len=k, rounds=rounds, num_top_logprobs=0, path=0).compile()
+                params, cache, last_tokens, drafts, emitted, self._packed(layout.size),
+                self._packed(sampling_layout.size), layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
+                mesh=self.mesh, kernels=self.kernels, draft_len=k, rounds=rounds, num_top_logprobs=0,
+                path=0).compile()
             self._stager(layout.size)
+        for inputs_layout in {step_layout, layout}:  # any step may follow a verify program still in flight
+            buffer, sampling = self._packed(inputs_layout.size), self._packed(sampling_layout.size)
+            self._behind_stagers[inputs_layout, sampling_layout] = step.stage_behind.lower(
+                buffer, buffer, sampling, emitted, layout=inputs_layout, sampling_layout=sampling_layout).compile()
 
     def _drafter(self, layout: step.Layout):
         size = step.layout_shape(layout, "tokens")[0]
@@ -584,13 +623,18 @@ class ModelRunner:
         sampling, sampling_layout = self._padding_sampling(size)
         for path in (0, 1):
             jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, path, 0, False,
-                                                  bool(self.num_speculative_tokens))]))
+                                                  bool(self.num_speculative_tokens), False)]))
         if size in self._decoders:
             jax.block_until_ready(self.executor([("decode_steps", buffer, layout, sampling, sampling_layout, 0, 0,
-                                                  self.decode_steps)]))
+                                                  self.decode_steps, False)]))
+        # a model that speculates: its verify programs, and each kind of step caught up on one (padding: no row is
+        # behind, so nothing moves)
         for k, rounds in self._verify_variants(size) if self.num_speculative_tokens else ():
             jax.block_until_ready(self.executor([("verify", *self.verify_inputs_for(size), sampling, sampling_layout,
-                                                  0, 0, k, rounds)]))
+                                                  0, 0, k, rounds, True)]))
+        if self.num_speculative_tokens:
+            jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, 0, 0, False,
+                                                  True, True)]))
 
     def run_compiled(self) -> bool:
         """Give one bucket compiled in the background its first run (run_padding), then let steps use it; the

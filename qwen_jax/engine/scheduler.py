@@ -131,9 +131,10 @@ class Scheduler:
         its prompt for a prefilling one) under the token budget, preempting the newest when blocks run out, then
         waiting sequences while the budget, a slot and blocks allow. The plan's progress is booked at once.
         When the step holds only decoding sequences that may speculate and the policy wants drafts verified, each
-        row becomes its last token and k drafts, verified in the step (`_speculate`), which the engine reads back
-        before it plans the next. Else, max_steps > 1: when the step holds only decoding sequences, nothing waits
-        and each has room for them, it runs up to that many decode steps in one program (`_multi_step`)."""
+        row becomes its last token and k drafts, verified in the step (`_speculate`; every draft is booked, and the
+        next step, planned before this one is read back, starts after them: the device moves it back by the drafts
+        rejected). Else, max_steps > 1: when the step holds only decoding sequences, nothing waits and each has room
+        for them, it runs up to that many decode steps in one program (`_multi_step`)."""
         budget = self.max_num_batched_tokens
         rows: list[Row] = []
         preempted: list[Sequence] = []
@@ -142,8 +143,8 @@ class Scheduler:
             seq = queue.pop(0)
             if budget <= 0:
                 break
-            if seq.num_requested >= seq.params.max_tokens:
-                continue  # its last token is on its way; it finishes when that comes back
+            if seq.num_requested + seq.num_unverified >= seq.params.max_tokens:
+                continue  # its last token may be on its way; it finishes when that comes back, or runs on then
             n = min(seq.num_uncomputed, budget, self._chunk_limit(seq))
             if n <= 0:
                 continue
@@ -249,10 +250,12 @@ class Scheduler:
         """Count a planned row as computed: its tokens' KV and state are in the cache for every later step (the
         device runs steps in order), its sample is pending, its full prompt blocks are indexed for prefix hits."""
         seq = row.seq
-        # a verify row's rounds book every draft (the core takes the rejected ones back)
+        # a verify row's rounds book every draft, the emitted ones as one sample a round and the rest unverified (the
+        # core takes the rejected ones back)
         seq.num_computed_tokens += row.steps * row.num_tokens if row.drafts else row.num_tokens + row.steps - 1
         if row.samples:
             seq.num_pending += row.steps
+        seq.num_unverified += row.steps * row.drafts
         if self.prefix_cache is not None:
             self.prefix_cache.register_blocks(seq.block_hashes, seq.block_table, seq.num_computed_tokens)
 

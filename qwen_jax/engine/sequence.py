@@ -28,6 +28,9 @@ class Sequence:
         self.slot: int | None = None  # recurrent-state slot (hybrid models)
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache, or will be once the steps issued run
         self.num_pending = 0  # tokens sampled by steps issued but not read back yet (their ids still on the device)
+        # Drafts that verify programs not read back yet booked as computed, past one token a round: some of them
+        # are emitted too, the rest rejected (the core takes those back from num_computed_tokens).
+        self.num_unverified = 0
         self.sample_row = 0  # the row of this sequence's last sampled token in the last step that sampled for it
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (last admission)
         self.block_hashes: list[int] = []  # hash chain of the full prompt blocks
@@ -50,8 +53,9 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt, output and pending tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+        """Prompt, output, pending and unverified tokens: where the sequence's next token goes, as far as the host
+        knows (the device moves it back by the drafts rejected: step.stage_behind)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending + self.num_unverified
 
     @property
     def num_known_tokens(self) -> int:
@@ -59,7 +63,7 @@ class Sequence:
 
     @property
     def num_requested(self) -> int:
-        """Output tokens produced or on their way: no more are scheduled once this reaches max_tokens."""
+        """Output tokens produced or surely on their way (unverified drafts not counted): at least this many."""
         return len(self.output_token_ids) + self.num_pending
 
     @property

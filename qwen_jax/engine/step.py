@@ -111,16 +111,35 @@ def sample_index(batch: Ragged) -> np.ndarray:
     return np.maximum(np.asarray(batch.query_start) + np.asarray(batch.query_len) - 1, 0).astype(np.int32)
 
 
+class Behind(NamedTuple):
+    """For each request of a step planned while a verify program is still in flight (a model that speculates): how
+    far the host's count of its tokens runs ahead of the truth. The host books every draft of that program as
+    computed and each of its rounds as one sample; the program emits between the two. `stage_behind` corrects the
+    step's positions and seeded counters on the device from what that program emitted (its `emitted` [S])."""
+
+    row: np.ndarray  # [R] i32 the request's row in the verify program in flight; -1: none (its counts are exact)
+    booked: np.ndarray  # [R] i32 tokens that program booked for it as computed: rounds x (drafts + 1)
+    counted: np.ndarray  # [R] i32 of its output tokens, those the host counted: one a round
+
+    @classmethod
+    def none(cls, num_requests: int) -> Behind:
+        return cls(np.full(num_requests, -1, np.int32), *np.zeros((2, num_requests), np.int32))
+
+
 def pack_inputs(tokens: np.ndarray, batch: Ragged, token_source: np.ndarray | None = None,
-                following: np.ndarray | None = None, draft_source: np.ndarray | None = None
-                ) -> tuple[np.ndarray, Layout]:
+                following: np.ndarray | None = None, draft_source: np.ndarray | None = None,
+                behind: Behind | None = None) -> tuple[np.ndarray, Layout]:
     """A forward's packed inputs: the tokens [T], where each comes from (token_source, see `forward`; None: all from
     `tokens`), the Ragged fields and each request's sample index; for a model that speculates, `following` [R]
-    (draft_step) after a plain step, or each request's row of the drafts array `draft_source` [R] (verify_step)."""
+    (draft_step) after a plain step, or each request's row of the drafts array `draft_source` [R] (verify_step), and
+    `behind` (None: no request is behind)."""
     if token_source is None:
         token_source = np.full(len(tokens), -1, np.int32)
     extra = {name: np.asarray(value, np.int32) for name, value in
              (("following", following), ("draft_source", draft_source)) if value is not None}
+    if following is not None or draft_source is not None:
+        behind = behind or Behind.none(len(batch.query_len))
+        extra.update({f"behind_{name}": np.asarray(value, np.int32) for name, value in behind._asdict().items()})
     return pack(dict(tokens=np.asarray(tokens, np.int32), token_source=token_source, **batch._asdict(),
                      sample_index=sample_index(batch), **extra))
 
@@ -202,11 +221,11 @@ def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.
 # ---- speculative decoding ------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "kernels", "draft_len",
                                              "rounds", "num_top_logprobs", "path"),
-                   donate_argnames=("cache", "last_tokens", "drafts"), compiler_options=EXACT)
-def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.Array, buffer: jax.Array,
-                sampling: jax.Array, *, layout: Layout, sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh,
-                kernels: str, draft_len: int, rounds: int, num_top_logprobs: int, path: int
-                ) -> tuple[VerifyOutput, dict, jax.Array, jax.Array]:
+                   donate_argnames=("cache", "last_tokens", "drafts", "emitted"), compiler_options=EXACT)
+def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.Array, emitted: jax.Array,
+                buffer: jax.Array, sampling: jax.Array, *, layout: Layout, sampling_layout: Layout, cfg: ModelConfig,
+                mesh: Mesh, kernels: str, draft_len: int, rounds: int, num_top_logprobs: int, path: int
+                ) -> tuple[VerifyOutput, dict, jax.Array, jax.Array, jax.Array]:
     """`rounds` rounds of speculative decoding over decoding requests in one program. In each, a request runs its
     last token (at first from the host or `last_tokens`, as in `forward`; then the last one it emitted) and
     draft_len drafts (at first the first draft_len of row draft_source[r] of `drafts` [S, D]; then the head's) as
@@ -216,7 +235,8 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
     step costs the host more to issue than the GPU to run (tokens past a request's end are computed and dropped).
     Returns (VerifyOutput with each request's emitted tokens first in its row [R, rounds * (draft_len + 1)] and
     num_emitted [R, rounds] each round's count, 0 for padding requests; the cache; last_tokens with row r the
-    request's last emitted token; drafts with row r its next drafts)."""
+    request's last emitted token; drafts with row r its next drafts; `emitted` [S] with row r its tokens emitted in
+    all rounds, which the next step, planned before this one is read back, catches up by: stage_behind)."""
     tokens, batch, _ = step_batch(buffer, layout, last_tokens)
     draft_source = unpack(buffer, layout)["draft_source"]
     requests, size = batch.query_len.shape[0], tokens.shape[0]
@@ -263,9 +283,9 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
                        jnp.zeros((requests, width, num_top_logprobs), jnp.int32),
                        jnp.zeros((requests, width, num_top_logprobs), jnp.float32))
     carry = (cache, tokens[batch.query_start], drafts[draft_source], jnp.zeros(requests, jnp.int32), out)
-    cache, last, proposed, _, out = jax.lax.fori_loop(0, rounds, one, carry)
+    cache, last, proposed, total, out = jax.lax.fori_loop(0, rounds, one, carry)
     return (out, rules.constrain_cache(cfg, mesh, cache), last_tokens.at[:requests].set(last),
-            drafts.at[:requests].set(proposed))
+            drafts.at[:requests].set(proposed), emitted.at[:requests].set(total))
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh", "kernels", "draft_len"),
@@ -334,6 +354,34 @@ def stage_inputs(inputs: jax.Array, new: jax.Array) -> jax.Array:
     buffer each step re-recorded them all (H200, one-token step of 35B-A3B: 5.4 ms of host time a step instead of
     about 9 ms)."""
     return inputs.at[:].set(new)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "sampling_layout"), donate_argnames=("inputs",))
+def stage_behind(inputs: jax.Array, new: jax.Array, sampling: jax.Array, emitted: jax.Array, *, layout: Layout,
+                 sampling_layout: Layout) -> tuple[jax.Array, jax.Array]:
+    """stage_inputs for a step planned while a verify program was still in flight, which therefore counted each
+    request of it as `Behind` says: (the inputs buffer with each such request's positions and context length moved
+    back by the drafts that program rejected, the sampling buffer with a seeded request's counter moved on by the
+    tokens it emitted past one a round). `emitted` [S]: each row's tokens emitted by that program (verify_step's)."""
+    a = unpack(new, layout)
+    behind = a["behind_row"] >= 0
+    made = emitted[jnp.maximum(a["behind_row"], 0)]
+    over = jnp.where(behind, a["behind_booked"] - made, 0)  # positions booked past the request's real next one
+    new = _replace(new, layout, "positions", a["positions"] - over[a["token_request"]] * a["token_valid"])
+    new = _replace(new, layout, "context_len", a["context_len"] - over)
+    s = unpack(sampling, sampling_layout)
+    late = jnp.where(behind, made - a["behind_counted"], 0).astype(jnp.uint32)  # output tokens not counted yet
+    rng = s["rng"].at[:, 2].add(late * s["rng_step"][:, 2])  # the counter of a seeded row (unseeded: step 0 there)
+    return inputs.at[:].set(new), _replace(sampling, sampling_layout, "rng", rng)
+
+
+def _replace(buffer: jax.Array, layout: Layout, name: str, value: jax.Array) -> jax.Array:
+    """`buffer` (packed) with its array `name` set to `value`, inside a program."""
+    _, _, shape, offset = next(entry for entry in layout.entries if entry[0] == name)
+    flat = value.reshape(-1)
+    if flat.dtype != jnp.int32:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
+    return buffer.at[offset:offset + math.prod(shape)].set(flat)
 
 
 init_penalties = jax.jit(init_penalty_rows, donate_argnames=("counts",))

@@ -213,3 +213,38 @@ def test_no_step_verifies_while_its_program_is_still_compiling(plain, hybrid_mtp
     runner._ready = None  # every bucket compiled
     assert llm.generate([prompt], params)[0].token_ids == expected
     assert llm.engine.stats()["spec_verified_rows_total"] > 0
+
+
+def test_verify_programs_are_issued_before_the_one_before_is_read_back(plain, hybrid_mtp_dir, kit):
+    """The core keeps the device a step ahead through verify programs too: the next one is built from the booked
+    counts (every draft) and catches up on the device on what the one before it accepted. Rows accept only some of
+    their drafts here, so a wrong catch-up would change the tokens."""
+    llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kit.ENGINE_ARGS)
+    runner = llm.engine.replicas[0].runner
+    events = []
+    execute, fetch = runner.executor, runner.fetch
+
+    def logged_execute(ops):
+        out = execute(ops)
+        events.append(("issue", ops[-1][0], ops[-1][-1], id(out)))
+        return out
+
+    def logged_fetch(out):
+        events.append(("read", id(out)))
+        return fetch(out)
+
+    runner.executor, runner.fetch = logged_execute, logged_fetch
+    prompts = [kit.prompt(n, seed=950 + n) for n in (5, 23, 40)]
+    params = [greedy(20, ignore_eos=True), SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True),
+              greedy(18, ignore_eos=True)]
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
+    issued = [e for e in events if e[0] == "issue"]
+    read_at = {e[1]: i for i, e in enumerate(events) if e[0] == "read"}
+    # a verify program issued while the verify program before it was not read back yet, and caught up on it
+    overlapped = [b for a, b in zip(issued, issued[1:]) if a[1] == b[1] == "verify" and b[2]
+                  and read_at[a[3]] > events.index(b)]
+    assert overlapped
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens_total"] < stats["spec_drafted_tokens_total"]
+    kit.assert_idle(llm)
