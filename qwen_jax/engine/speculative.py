@@ -71,12 +71,11 @@ def speculation(config: dict | str | None, has_mtp: bool = True) -> Speculation:
 # A verify round's wall time over a plain decode token's, by the step's rows, for k = 1, 2, 3 drafts a row (None: not
 # measured, never chosen): one round of step.verify_step (verification, commit, the head's next drafts; eight rounds
 # a program for up to 8 rows, as the engine runs them) over the plain decode step's time a token (four steps a program
-# for up to 8 rows). Wall time, not GPU time: a verify program is read back before the next is planned, so its host
-# time counts. One H200, Qwen3.5-35B-A3B with random weights, context 1,536, `python -m qwen_jax.bench.step_profile
-# --kernels gpu --batches 1,4,16,64 --verify 0,1,2,3 --context 1536` (RESULTS.json; 1 and 4 rows at ff4d6aa, 16 and
-# 64 at 5155979). Rows between two entries take the larger's; past the last entry nothing is measured and no step
-# speculates.
-VERIFY_COST = {1: (1.66, 1.97, 2.21), 4: (1.53, 1.93, 2.25), 16: (2.01, 2.44, 2.69), 64: (1.59, 1.70, 1.87)}
+# for up to 8 rows), each program issued before the one before it is read back, as the engine core runs them. One
+# H200, Qwen3.5-35B-A3B with random weights, context 1,536, `python -m qwen_jax.bench.step_profile --kernels gpu
+# --batches 1,4,16,64 --verify 0,1,2,3 --context 1536` at ca0f3d9 (RESULTS.json). Rows between two entries take the
+# larger's; past the last entry nothing is measured and no step speculates.
+VERIFY_COST = {1: (1.40, 1.73, 1.98), 4: (1.39, 1.81, 2.14), 16: (1.50, 1.93, 2.16), 64: (1.30, 1.44, 1.55)}
 # A fresh engine expects each draft accepted with this probability (Qwen3.5's head on real text: acceptance lengths
 # ~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3), held as PRIOR_ROWS verified rows' worth of evidence.
 PRIOR_ACCEPTANCE, PRIOR_ROWS = 0.8, 8.0
