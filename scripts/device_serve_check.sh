@@ -39,25 +39,28 @@ PY
 }
 until grep -q "every step bucket is compiled" "$OUT/server.log"; do sleep 2; done
 echo "all_buckets_compiled_s $(since "$t0")"
-for c in ${LEVELS:-1 64 256}; do
-  curl -s "$URL/metrics" > "$OUT/metrics_before_c$c.txt"
+# LEVELS: concurrencies, each optionally with its own temperature (c@t; default $TEMPERATURE)
+for level in ${LEVELS:-1 64 256}; do
+  c=${level%@*}; temperature=${TEMPERATURE:-1.0}; [[ "$level" == *@* ]] && temperature=${level#*@}
+  tag=$c; [[ "$level" == *@* ]] && tag=${c}_t$temperature
+  curl -s "$URL/metrics" > "$OUT/metrics_before_c$tag.txt"
   # GPU busy: the share of each 100 ms in which a kernel ran, sampled by the driver over the level
-  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_busy_c$c.txt" &
+  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_busy_c$tag.txt" &
   smi=$!
   timeout 400 python3 -m qwen_jax.bench.serve --base-url "$URL" --model m --tokenizer "$MODEL" --concurrency "$c" \
-    --waves 1 --temperature "${TEMPERATURE:-1.0}" --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
+    --waves 1 --temperature "$temperature" --input-len 1024 --output-len "${OUTLEN:-1024}" --results "$OUT/RESULTS.json" --device H200 \
     --device-count 1 --layout TP=1 --weights random --model-config "$MODEL/config.json" --no-progress \
-    --label "kernels=${KERNELS:-auto} max_num_seqs=${MAX_NUM_SEQS:-256} load_format=${LOAD_FORMAT:-dummy} speculative_config=${SPEC_CONFIG:-default}" > "$OUT/serve_c$c.txt" 2>&1
+    --label "kernels=${KERNELS:-auto} max_num_seqs=${MAX_NUM_SEQS:-256} load_format=${LOAD_FORMAT:-dummy} speculative_config=${SPEC_CONFIG:-default} temperature=$temperature" > "$OUT/serve_c$tag.txt" 2>&1
   kill $smi
-  grep -A3 "^ conc" "$OUT/serve_c$c.txt" | head -3
-  grep "speculative decoding" "$OUT/serve_c$c.txt"
+  grep -A3 "^ conc" "$OUT/serve_c$tag.txt" | head -3
+  grep "speculative decoding" "$OUT/serve_c$tag.txt"
   # over the requests' span: from the first sample with a kernel running to the last (the client first builds its
   # prompts, seconds with an idle GPU)
   python3 -c "import sys; v = [float(x) for x in open(sys.argv[1]) if x.strip()]; on = [i for i, x in enumerate(v) if x > 0];
 b = v[on[0]:on[-1] + 1] if on else v; print(f'GPU busy (nvidia-smi, {len(b)} samples of 100 ms): {sum(b) / max(len(b), 1):.1f}%')" \
-    "$OUT/gpu_busy_c$c.txt"
-  curl -s "$URL/metrics" > "$OUT/metrics_after_c$c.txt"
-  step_costs "$OUT/metrics_before_c$c.txt" "$OUT/metrics_after_c$c.txt"
+    "$OUT/gpu_busy_c$tag.txt"
+  curl -s "$URL/metrics" > "$OUT/metrics_after_c$tag.txt"
+  step_costs "$OUT/metrics_before_c$tag.txt" "$OUT/metrics_after_c$tag.txt"
 done
 # One constrained request on the device: a json_schema reply that must parse and match the schema.
 curl -s "$URL/v1/chat/completions" -H 'Content-Type: application/json' -d '{"model": "m", "max_tokens": 64,
