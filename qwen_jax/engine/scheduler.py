@@ -144,7 +144,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.num_requested + seq.num_unverified >= seq.params.max_tokens:
-                continue  # its last token may be on its way; it finishes when that comes back, or runs on then
+                # its last token may be on its way: it waits for that (so it never needs more blocks than add checked)
+                continue
             n = min(seq.num_uncomputed, budget, self._chunk_limit(seq))
             if n <= 0:
                 continue

@@ -35,7 +35,8 @@ def engine(hybrid_dir):
     engine = EngineCore(hybrid_dir, max_model_len=24, max_num_seqs=3, max_num_batched_tokens=12, block_size=4,
                         num_kv_blocks=7, num_snapshots=2, enable_prefix_caching=True)
     runner = engine.replicas[0].runner
-    runner.prepare, runner.executor, runner.fetch = lambda rows, head=False: list(rows), stub_execute, lambda out: out
+    runner.prepare, runner.executor, runner.fetch = (lambda rows, head=False, in_flight=(): list(rows), stub_execute,
+                                                     lambda out: out)
     return engine
 
 
@@ -80,10 +81,10 @@ def test_random_add_abort_step_never_leaks(engine, ops):
         else:
             for _ in range(op[1]):
                 for out in engine.step():
-                    assert len(out.new_token_ids) <= 1
+                    assert len(out.new_token_ids) <= 1 and out.finish_reason != "error", out
         check_books(engine)
     for _ in range(3):  # let some finish on their own, abort the rest
-        engine.step()
+        assert all(out.finish_reason != "error" for out in engine.step())
         check_books(engine)
     engine.abort(added)
     engine.step()  # reads back the step still in flight
