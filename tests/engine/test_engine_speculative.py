@@ -113,16 +113,17 @@ def test_prefix_caching_on_and_off_give_the_same_outputs(hybrid_mtp_dir, kit):
 
 
 def test_a_full_warmup_leaves_speculation_nothing_to_compile(plain, hybrid_mtp_dir, kit):
-    """The head's program after a plain step and the verify step compile with each bucket: serving greedy requests
-    under speculation jits neither (on a GPU such a compile would hold every running request)."""
+    """The head's program after a plain step, the verify step and the staging that catches a step up on a verify
+    program compile with each bucket: serving greedy requests under speculation jits none of them (on a GPU such a
+    compile would hold every running request)."""
     llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kit.ENGINE_ARGS)
     llm.engine.warmup(full=True)
-    jitted = (step.verify_step._cache_size(), step.draft_step._cache_size())
+    jitted = (step.verify_step._cache_size(), step.draft_step._cache_size(), step.stage_behind._cache_size())
     prompts = [kit.prompt(n, seed=940 + n) for n in (4, 21, 37)]
     params = [greedy(9, ignore_eos=True), SamplingParams(max_tokens=7, temperature=0.7, seed=1, ignore_eos=True),
               greedy(11, ignore_eos=True)]
     got = llm.generate(prompts, params)
-    assert (step.verify_step._cache_size(), step.draft_step._cache_size()) == jitted
+    assert (step.verify_step._cache_size(), step.draft_step._cache_size(), step.stage_behind._cache_size()) == jitted
     assert llm.engine.stats()["spec_verified_rows_total"] > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
     kit.assert_idle(llm)
