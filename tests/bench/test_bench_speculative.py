@@ -48,9 +48,11 @@ def test_speculative_bench_reports_acceptance_and_exact_outputs(hybrid_mtp_dir, 
     assert spec["acceptance_rate"] == pytest.approx(accepted / drafted, abs=1e-4)
     assert spec["accepted_by_position"] == [accepted]
     # a verify step emits a row's accepted drafts too: one prompt at a time, each accepted draft saves at most a
-    # step (none where it lands past max_tokens); in a batch the rows that accept nothing set the pace
+    # step (none where it lands past max_tokens); in a batch the rows that accept nothing set the pace, and near
+    # max_tokens the last rows wait once for their verify program's read-back (they may be done: a step that only
+    # reads back)
     saved = plain["engine_steps"] - spec["engine_steps"]
-    assert 0 < saved <= accepted if mode else 0 <= saved <= accepted
+    assert 0 < saved <= accepted if mode else -1 <= saved <= accepted
     assert all(level["output_tokens_per_s"] > 0 for level in report["levels"])
     out = capsys.readouterr().out
     lines = out.splitlines()
