@@ -249,3 +249,25 @@ def test_verify_programs_are_issued_before_the_one_before_is_read_back(plain, hy
     stats = llm.engine.stats()
     assert 0 < stats["spec_accepted_tokens_total"] < stats["spec_drafted_tokens_total"]
     kit.assert_idle(llm)
+
+
+def test_aborting_a_request_while_its_verify_program_runs_leaves_the_others_exact(plain, hybrid_mtp_dir, kit):
+    """A request aborted between the issue of its verify program and that program's read-back frees its blocks and
+    slot at once; the program's tokens for it are dropped, and the other requests go on as in plain decoding."""
+    llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kit.ENGINE_ARGS)
+    engine = llm.engine
+    prompts = {"kept": kit.prompt(23, seed=973), "aborted": kit.prompt(5, seed=955)}
+    params = greedy(16, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    tokens = {rid: [] for rid in prompts}
+    while not any(step.verifies for step in engine._in_flight):
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert [out.finish_reason for out in engine.abort(["aborted"])] == ["abort"]
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id == "kept"
+            tokens["kept"] += out.new_token_ids
+    assert tokens["kept"] == plain.generate([prompts["kept"]], params)[0].token_ids
+    kit.assert_idle(llm)
