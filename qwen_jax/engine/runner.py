@@ -131,10 +131,11 @@ class ModelRunner:
         return jax.tree.map(lambda a: rules.put(a, sharding), tree)
 
     # ---- a step's host data ----------------------------------------------------------------------------------
-    def step_inputs(self, rows: list[Row], in_flight: list[Row] = ()) -> tuple[np.ndarray, step.Layout]:
+    def step_inputs(self, rows: list[Row], verifying: dict | None = None) -> tuple[np.ndarray, step.Layout]:
         """The forward's packed inputs for `rows` (padded to a token bucket and its request count); also records,
-        for each sampling row, where its token will be (seq.sample_row). `in_flight`: the rows of the verify
-        program issued before this step and not read back yet (their sequences' counts are ahead: step.Behind)."""
+        for each sampling row, where its token will be (seq.sample_row). `verifying`: the rows of the verify
+        program issued before this step and not read back yet, by sequence (`_verifying`; their counts are ahead:
+        step.Behind)."""
         num_tokens = sum(r.num_tokens for r in rows)
         padded = step.bucket_for(max(num_tokens, 1), self._ready or self.token_buckets)
         num_requests = step.request_bucket(padded, self.max_num_seqs)
@@ -160,17 +161,21 @@ class ModelRunner:
         for i, r in enumerate(rows):
             if r.samples:
                 r.seq.sample_row = i
-        behind = self._behind(rows, in_flight, num_requests) if self.num_speculative_tokens else None
+        behind = self._behind(rows, verifying or {}, num_requests) if self.num_speculative_tokens else None
         if rows and rows[0].drafts:
             return step.pack_inputs(tokens, batch, source, draft_source=draft_source, behind=behind)
         return step.pack_inputs(tokens, batch, source, self._following(rows, num_requests), behind=behind)
 
     @staticmethod
-    def _behind(rows: list[Row], in_flight: list[Row], num_requests: int) -> step.Behind:
-        """How far each row's counts run ahead of the truth while the verify program of `in_flight` runs (which
+    def _verifying(in_flight: list[Row]) -> dict[int, tuple[int, Row]]:
+        """The rows of a verify program in flight by sequence (id): (the row's index in that program, the row)."""
+        return {id(row.seq): (j, row) for j, row in enumerate(in_flight)}
+
+    @staticmethod
+    def _behind(rows: list[Row], verifying: dict[int, tuple[int, Row]], num_requests: int) -> step.Behind:
+        """How far each row's counts run ahead of the truth while the verify program of `verifying` runs (which
         booked every draft as computed and one sample a round: Scheduler._book)."""
         behind = step.Behind.none(num_requests)
-        verifying = {id(row.seq): (j, row) for j, row in enumerate(in_flight)}
         for i, r in enumerate(rows):
             if id(r.seq) in verifying:
                 j, earlier = verifying[id(r.seq)]
@@ -200,9 +205,9 @@ class ModelRunner:
         row, rounds, behind) speculative decoding's rounds; ("save", src, dst) copies state slots into snapshots.
         Numpy arrays and plain values only, so a multi-host leader can send the list to the other hosts. Also
         records, for each sampling row, where its token will be (seq.sample_row)."""
-        buffer, layout = self.step_inputs(rows, in_flight)
-        in_flight_seqs = {id(row.seq) for row in in_flight}
-        behind = any(id(r.seq) in in_flight_seqs for r in rows)
+        verifying = self._verifying(in_flight)
+        buffer, layout = self.step_inputs(rows, verifying)
+        behind = any(id(r.seq) in verifying for r in rows)
         num_requests = step.layout_shape(layout, "query_len")[0]
         sampling = [r.seq.params if r.samples else _GREEDY for r in rows]
         steps = rows[0].steps if rows else 1
