@@ -260,9 +260,10 @@ def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, 
 def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                       w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 64,
                       block_k: int = 64, num_warps: int = 4, num_stages: int = 4, split_k: int | None = None,
-                      interpret: bool | None = None) -> jax.Array:
+                      down: tuple[int, int, int, int] | None = None, interpret: bool | None = None) -> jax.Array:
     """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
-    steadiest of two qwen_jax/bench/kernels.py sweeps on an H200 at 1-64 tokens. split_k: slices of
+    steadiest of two qwen_jax/bench/kernels.py sweeps on an H200 at 1-64 tokens. (block_n, block_k, num_warps,
+    num_stages) are gate_up's; `down` gives the down kernel's own, else it takes gate_up's. split_k: slices of
     gate_up's contraction (None: split_contraction)."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
@@ -285,11 +286,12 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
     # Rows of pairs not routed here hold garbage; the down kernel never reads them.
     h = h[0] if split_k == 1 else _swiglu(h[0].sum(axis=0), h[1].sum(axis=0), dtype=x.dtype)
 
-    bn, bk = tile_size(hidden, block_n), tile_size(inter, block_k)
-    down = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair),
-                 jax.ShapeDtypeStruct((pairs, hidden), x.dtype), (programs, hidden // bn), interpret, num_warps,
-                 num_stages, "moe_few_down")
-    out = down(*routing, h, w_down)
+    down_n, down_k, down_warps, down_stages = down or (block_n, block_k, num_warps, num_stages)
+    bn, bk = tile_size(hidden, down_n), tile_size(inter, down_k)
+    down_call = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair),
+                      jax.ShapeDtypeStruct((pairs, hidden), x.dtype), (programs, hidden // bn), interpret,
+                      down_warps, down_stages, "moe_few_down")
+    out = down_call(*routing, h, w_down)
 
     # Rows of pairs routed to experts held elsewhere were never written.
     expert = ids.reshape(-1) - first_expert
@@ -312,9 +314,10 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
     """Same contract as the reference (qwen_jax.layers.mlp.routed_experts_f32): x [T, H]; weights, ids [T, k];
     w_gate/w_up [E_local, H, I]; w_down [E_local, I, H] holding experts first_expert..; returns float32 [T, H]
     (pairs routed to experts held elsewhere add nothing). few_tokens: the expert-major kernels, else the sorted
-    blocks of block_m rows; triton: the sorted blocks as native Triton kernels (GPU only; `down`: their down
-    kernel's own tiles; tail_m: their short-block tile height; split_k: the few-token gate_up's contraction
-    slices); None here and in the tiles: `default_tiles`. interpret=None interprets on CPU only."""
+    blocks of block_m rows; triton: the sorted blocks as native Triton kernels (GPU only; tail_m: their
+    short-block tile height); `down`: the down kernel's own tiles (few-token or native Triton); split_k: the
+    few-token gate_up's contraction slices; None here and in the tiles: `default_tiles`. interpret=None interprets
+    on CPU only."""
     num_tokens, top_k = ids.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -322,7 +325,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
                           few_tokens=few_tokens, triton=triton, block_m=block_m, block_n=block_n, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, down=down, tail_m=tail_m, split_k=split_k)
     if tiles.pop("few_tokens"):
-        for key in ("block_m", "triton", "down", "tail_m"):
+        for key in ("block_m", "triton", "tail_m"):
             tiles.pop(key)
         return few_token_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, interpret=interpret, **tiles)
     if tiles.pop("split_k", None) is not None:
@@ -333,6 +336,8 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax
         return moe_triton.routed_experts(x, weights, ids, w_gate, w_up, w_down, first_expert, **tiles)
     if tiles.pop("tail_m") is not None:
         raise ValueError("moe_gemm: tail_m applies to the native Triton kernels only")
+    if tiles.pop("down") is not None:
+        raise ValueError("moe_gemm: down applies to the few-token and native Triton kernels only")
     block_m, block_n, block_k = tiles["block_m"], tiles["block_n"], tiles["block_k"]
     num_warps, num_stages = tiles["num_warps"], tiles["num_stages"]
     num_local, hidden, inter = w_gate.shape

@@ -81,6 +81,15 @@ def test_few_token_split_contraction(tokens, experts, split_k):
     assert rel_err(got, reference(x, weights, ids, wg[half:], wu[half:], wd[half:], half)) < 1e-2
 
 
+def test_few_token_down_tiles_of_its_own():
+    """The down kernel's own tiles (down=) give the same result as gate_up's; the sorted Pallas kernels refuse them."""
+    x, weights, ids, wg, wu, wd = make_inputs(11, 3, 16, 64, 64, 4)
+    got = routed_experts(x, weights, ids, wg, wu, wd, block_n=32, block_k=32, few_tokens=True, down=(16, 64, 2, 2))
+    assert rel_err(got, reference(x, weights, ids, wg, wu, wd)) < 1e-2
+    with pytest.raises(ValueError, match="down applies to"):
+        routed_experts(x, weights, ids, wg, wu, wd, few_tokens=False, triton=False, down=(16, 64, 2, 2))
+
+
 def test_split_k_is_checked():
     x, weights, ids, wg, wu, wd = make_inputs(0, 2, 8, 64, 32, 2)
     with pytest.raises(ValueError, match="split_k 4 does not divide the 2 steps"):
