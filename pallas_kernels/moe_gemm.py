@@ -48,12 +48,26 @@ TRITON_TILES = [(2048, 16, 128, 64, 4, 3, (256, 64, 8, 3), None),  # memory-boun
 PALLAS_SORTED_MAX_PAIRS = 2048  # up to here 16-row blocks, above it 128 x 128 tiles on 8 warps
 
 
+FEW_TOKENS = 64  # up to this many tokens, the expert-major kernels (every program scans all pairs; tiles of T rows)
+# The few-token kernels' tiles by tokens, from H200 sweeps of each kernel's GPU time (profiler) at 35B-A3B's expert
+# shapes: (max tokens, block_n, block_k, num_warps, num_stages, split_k (None: split_contraction), down's (block_n,
+# block_k, num_warps, num_stages) or None: gate_up's).
+FEW_TOKEN_TILES = [(1, 64, 64, 4, 4, None, None),
+                   (4, 128, 64, 8, 4, 1, (128, 64, 2, 3)),  # a verify row's 2-4 tokens: 3 tokens 41.8 vs 44.6 us
+                   (FEW_TOKENS, 64, 64, 4, 4, None, None)]
+
+
+def few_token_tiles(num_tokens: int) -> dict:
+    """few_token_experts' (and few_token_moe's) tiles at this many tokens (FEW_TOKEN_TILES)."""
+    _, bn, bk, warps, stages, split_k, down = next(t for t in FEW_TOKEN_TILES if num_tokens <= t[0])
+    return dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split_k, down=down)
+
+
 def default_tiles(num_tokens: int, num_pairs: int, native: bool = False) -> dict:
     """Layout and tiles by size, from the H200 sweeps of qwen_jax/bench/kernels.py: the expert-major
     Pallas kernels up to FEW_TOKENS tokens; above, the sorted layout, as native Triton kernels when `native`."""
     if num_tokens <= FEW_TOKENS:
-        return dict(few_tokens=True, triton=False, block_m=None, block_n=64, block_k=64, num_warps=4, num_stages=4,
-                    down=None, tail_m=None, split_k=None)
+        return dict(few_tokens=True, triton=False, block_m=None, tail_m=None, **few_token_tiles(num_tokens))
     if native:
         _, bm, bn, bk, warps, stages, down, tail = next(t for t in TRITON_TILES if t[0] is None or num_pairs <= t[0])
         return dict(few_tokens=False, triton=True, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
@@ -72,7 +86,7 @@ def resolve_tiles(num_tokens: int, num_pairs: int, native: bool = False, **given
         raise ValueError("moe_gemm: triton=True needs a GPU and jax-triton (the cuda extra)")
     tokens = num_tokens
     if given.get("few_tokens") is not None:
-        tokens = 1 if given["few_tokens"] else max(num_tokens, FEW_TOKENS + 1)
+        tokens = min(num_tokens, FEW_TOKENS) if given["few_tokens"] else max(num_tokens, FEW_TOKENS + 1)
     if given.get("triton"):
         tokens = max(num_tokens, FEW_TOKENS + 1)
     tiles = default_tiles(tokens, num_pairs, native and given.get("triton") is not False)
@@ -157,19 +171,17 @@ def _rounded(acc, *, dtype):
 
 
 # ---- few tokens: expert-major, no sort ---------------------------------------------------------------------------
-FEW_TOKENS = 64  # up to this many tokens, the expert-major kernels (every program scans all pairs; tiles of T rows)
 
 
-def _program_expert(first_expert_ref, ids_ref, num_local: int, by_pair: bool):
-    """(local expert index, whether it has work) of this program (program_id 0). By expert: program e takes local
+def _program_expert(first_expert_ref, ids_ref, num_local: int, by_pair: bool, p):
+    """(local expert index, whether it has work) of program p (program_id 0). By expert: program e takes local
     expert e (work: decided by its routed rows). By pair (fewer pairs than local experts, so the grid covers only
     routed experts instead of every expert, most of whose programs would start only to find no pair): program p
     takes the expert of flat pair p = t * k + j, and works only if that expert is local and no earlier pair chose
     it."""
     if not by_pair:
-        return pl.program_id(0), True
+        return p, True
     num_tokens, top_k = ids_ref.shape
-    p = pl.program_id(0)
     flat = jnp.arange(pl.next_power_of_2(num_tokens * top_k), dtype=jnp.int32)
     earlier = flat < p
     ids = pltriton.load(ids_ref.at[jnp.where(earlier, flat // top_k, 0), jnp.where(earlier, flat % top_k, 0)],
@@ -197,64 +209,117 @@ def _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows: int, local_ex
     return routed, pair, weight
 
 
-def _few_gate_up_kernel(first_expert_ref, ids_ref, weights_ref, x_ref, w_gate_ref, w_up_ref, *out_refs, rows: int,
-                        block_n: int, block_k: int, by_pair: bool, split_k: int):
+def _shared_rows(num_tokens: int, top_k: int, rows: int):
+    """The shared expert's rows of the tile: every token routed to it, at rows T*k + t of h and out."""
+    token = jnp.arange(rows, dtype=jnp.int32)
+    return token < num_tokens, num_tokens * top_k + token
+
+
+def _few_gate_up_tile(x_ref, gate_at, up_at, out_refs, routed, pair, n, s, *, rows: int, block_n: int,
+                      block_k: int, split_k: int):
+    """SwiGLU(x @ w_gate, x @ w_up) for column block n (contraction slice s), every token a row; the routed rows go
+    to their pairs' rows of h. gate_at / up_at (ks, cols): the weight's tile."""
+    num_tokens = x_ref.shape[0]
+    steps = x_ref.shape[1] // block_k // split_k
+    token = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), num_tokens - 1)[:, None]  # padding rows repeat
+    cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+
+    def body(i, accs):
+        k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
+        x = x_ref[token, k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]]
+        ks = pl.ds(k0, block_k)
+        return accs[0] + _dot(x, gate_at(ks, cols)), accs[1] + _dot(x, up_at(ks, cols))
+
+    zeros = jnp.zeros((rows, block_n), jnp.float32)
+    gate, up = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
+    col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
+    if split_k == 1:
+        (h_ref,) = out_refs
+        pltriton.store(h_ref.at[pair[:, None], col], _swiglu(gate, up, dtype=h_ref.dtype), mask=routed[:, None])
+    else:
+        for part_ref, acc in zip(out_refs, (gate, up), strict=True):
+            pltriton.store(part_ref.at[s, pair[:, None], col], acc, mask=routed[:, None])
+
+
+def _few_gate_up_kernel(first_expert_ref, ids_ref, weights_ref, x_ref, w_gate_ref, w_up_ref, *refs, rows: int,
+                        block_n: int, block_k: int, by_pair: bool, split_k: int, shared: bool):
     """Program (e, n, s): SwiGLU(x @ w_gate[e], x @ w_up[e]) for columns block n, every token a row; the rows of
     tokens routed to e go to their pairs' rows of h [T*k, I]. Experts without pairs read nothing. With split_k > 1,
     program s runs the s-th slice of the contraction and stores float32 gate and up partial sums at [s, pair]
-    instead ([split_k, T*k, I] each), which one XLA fusion adds up and passes through SwiGLU."""
-    e, active = _program_expert(first_expert_ref, ids_ref, w_gate_ref.shape[0], by_pair)
-    routed, pair, _ = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows, e)
-    num_tokens, hidden = x_ref.shape
-    n, s = pl.program_id(1), pl.program_id(2)
-    steps = hidden // block_k // split_k
+    instead ([split_k, T*k, I] each), which one XLA fusion adds up and passes through SwiGLU. With `shared`, the
+    last program row runs the shared expert (refs: its gate and up weights first) for every token, at h rows
+    T*k + t."""
+    if shared:
+        shared_gate_ref, shared_up_ref, *out_refs = refs
+    else:
+        out_refs = refs
+    # program ids are read here, outside the branches (interpret mode substitutes them only at the top level)
+    p, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile = functools.partial(_few_gate_up_tile, x_ref, out_refs=out_refs, n=n, s=s, rows=rows, block_n=block_n,
+                             block_k=block_k, split_k=split_k)
+    routed_programs = pl.num_programs(0) - 1 if shared else pl.num_programs(0)
 
-    @pl.when(active & (jnp.max(routed.astype(jnp.int32)) > 0))
+    @pl.when(p < routed_programs)
     def _():
-        token = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), num_tokens - 1)[:, None]  # padding rows repeat
-        cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+        e, active = _program_expert(first_expert_ref, ids_ref, w_gate_ref.shape[0], by_pair, p)
+        routed, pair, _ = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows, e)
+        pl.when(active & (jnp.max(routed.astype(jnp.int32)) > 0))(lambda: tile(
+            lambda ks, cols: w_gate_ref[e, ks, cols], lambda ks, cols: w_up_ref[e, ks, cols], routed=routed,
+            pair=pair))
 
-        def body(i, accs):
-            k0 = pl.multiple_of((s * steps + i) * block_k, block_k)
-            x = x_ref[token, k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]]
-            ks = pl.ds(k0, block_k)
-            return accs[0] + _dot(x, w_gate_ref[e, ks, cols]), accs[1] + _dot(x, w_up_ref[e, ks, cols])
-
-        zeros = jnp.zeros((rows, block_n), jnp.float32)
-        gate, up = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
-        col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
-        if split_k == 1:
-            (h_ref,) = out_refs
-            pltriton.store(h_ref.at[pair[:, None], col], _swiglu(gate, up, dtype=h_ref.dtype), mask=routed[:, None])
-        else:
-            for part_ref, acc in zip(out_refs, (gate, up), strict=True):
-                pltriton.store(part_ref.at[s, pair[:, None], col], acc, mask=routed[:, None])
+    if shared:
+        routed, pair = _shared_rows(*ids_ref.shape, rows)
+        pl.when(p == routed_programs)(lambda: tile(
+            lambda ks, cols: shared_gate_ref[ks, cols], lambda ks, cols: shared_up_ref[ks, cols], routed=routed,
+            pair=pair))
 
 
-def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, out_ref, *, rows: int, block_n: int,
-                     block_k: int, by_pair: bool):
+def _few_down_tile(h_ref, down_at, out_ref, routed, pair, weight, n, *, rows: int, block_n: int, block_k: int):
+    """For the routed rows: (h row @ w_down) rounded, times the weight, rounded, stored at the pair's row of out
+    (columns block n). down_at (ks, cols): the weight's tile."""
+    cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+
+    def body(i, acc):
+        k0 = pl.multiple_of(i * block_k, block_k)
+        h = pltriton.load(h_ref.at[pair[:, None], k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]],
+                          mask=routed[:, None], other=0.0)
+        return acc + _dot(h, down_at(pl.ds(k0, block_k), cols))
+
+    acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, body, jnp.zeros((rows, block_n), jnp.float32))
+    dtype = out_ref.dtype
+    out = (acc.astype(dtype).astype(jnp.float32) * weight.astype(dtype).astype(jnp.float32)[:, None]).astype(dtype)
+    col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
+    pltriton.store(out_ref.at[pair[:, None], col], out, mask=routed[:, None])
+
+
+def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, *refs, rows: int, block_n: int,
+                     block_k: int, by_pair: bool, shared: bool):
     """Program (e, n): for the pairs routed to e, (h row @ w_down[e]) rounded, times the routing weight, rounded,
-    stored at the pair's row of out [T*k, H] (columns block n)."""
-    e, active = _program_expert(first_expert_ref, ids_ref, w_down_ref.shape[0], by_pair)
-    routed, pair, weight = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows, e)
-    inter = h_ref.shape[1]
-    n = pl.program_id(1)
+    stored at the pair's row of out [T*k, H] (columns block n). With `shared`, the last program row runs the shared
+    expert (refs: its down weight and its per-token scale [T] first) on h rows T*k + t, stored at the same rows."""
+    if shared:
+        shared_down_ref, shared_scale_ref, out_ref = refs
+    else:
+        (out_ref,) = refs
+    p, n = pl.program_id(0), pl.program_id(1)  # outside the branches, as in the gate_up kernel
+    tile = functools.partial(_few_down_tile, h_ref, out_ref=out_ref, n=n, rows=rows, block_n=block_n,
+                             block_k=block_k)
+    routed_programs = pl.num_programs(0) - 1 if shared else pl.num_programs(0)
 
-    @pl.when(active & (jnp.max(routed.astype(jnp.int32)) > 0))
+    @pl.when(p < routed_programs)
     def _():
-        cols = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+        e, active = _program_expert(first_expert_ref, ids_ref, w_down_ref.shape[0], by_pair, p)
+        routed, pair, weight = _pairs_of_expert(first_expert_ref, ids_ref, weights_ref, rows, e)
+        pl.when(active & (jnp.max(routed.astype(jnp.int32)) > 0))(lambda: tile(
+            lambda ks, cols: w_down_ref[e, ks, cols], routed=routed, pair=pair, weight=weight))
 
-        def body(i, acc):
-            k0 = pl.multiple_of(i * block_k, block_k)
-            h = pltriton.load(h_ref.at[pair[:, None], k0 + jnp.arange(block_k, dtype=jnp.int32)[None, :]],
-                              mask=routed[:, None], other=0.0)
-            return acc + _dot(h, w_down_ref[e, pl.ds(k0, block_k), cols])
-
-        acc = jax.lax.fori_loop(0, inter // block_k, body, jnp.zeros((rows, block_n), jnp.float32))
-        dtype = out_ref.dtype
-        out = (acc.astype(dtype).astype(jnp.float32) * weight.astype(dtype).astype(jnp.float32)[:, None]).astype(dtype)
-        col = n * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
-        pltriton.store(out_ref.at[pair[:, None], col], out, mask=routed[:, None])
+    if shared:
+        num_tokens, top_k = ids_ref.shape
+        routed, pair = _shared_rows(num_tokens, top_k, rows)
+        token = jnp.arange(rows, dtype=jnp.int32)
+        scale = pltriton.load(shared_scale_ref.at[jnp.minimum(token, num_tokens - 1)], mask=routed, other=0.0)
+        pl.when(p == routed_programs)(lambda: tile(
+            lambda ks, cols: shared_down_ref[ks, cols], routed=routed, pair=pair, weight=scale))
 
 
 def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -265,38 +330,79 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
     steadiest of two qwen_jax/bench/kernels.py sweeps on an H200 at 1-64 tokens. (block_n, block_k, num_warps,
     num_stages) are gate_up's; `down` gives the down kernel's own, else it takes gate_up's. split_k: slices of
     gate_up's contraction (None: split_contraction)."""
+    out = _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, first_expert, None, block_n=block_n,
+                           block_k=block_k, num_warps=num_warps, num_stages=num_stages, split_k=split_k, down=down,
+                           interpret=interpret)
+    return _routed_sum(out, ids, first_expert, w_gate.shape[0])
+
+
+def few_token_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                  w_down: jax.Array, shared: tuple[jax.Array, jax.Array, jax.Array], shared_scale: jax.Array, *,
+                  block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 4,
+                  split_k: int | None = None, down: tuple[int, int, int, int] | None = None,
+                  interpret: bool | None = None) -> jax.Array:
+    """A MoE block's experts for a few tokens, the shared expert run as one more program row of the same two
+    launches: routed_experts(...) rounded to x's dtype + shared_scale [T] * shared expert(x), each product rounded
+    as the reference (qwen_jax.layers.mlp.sparse_moe) rounds it -> [T, H] in x's dtype. shared: the shared
+    expert's (gate [H, I], up [H, I], down [I, H]), I the routed experts' width. Why: as separate launches the
+    shared expert's GEMMs of a few rows (6 MB) cost ~6 us a layer, in these kernels ~1.5 (the bytes). All experts
+    are local (first expert 0). Tiles as few_token_experts."""
+    out = _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, 0, (*shared, shared_scale), block_n=block_n,
+                           block_k=block_k, num_warps=num_warps, num_stages=num_stages, split_k=split_k, down=down,
+                           interpret=interpret)
+    pairs = ids.size
+    return _routed_sum(out[:pairs], ids, 0, w_gate.shape[0]).astype(x.dtype) + out[pairs:]
+
+
+def _routed_sum(out: jax.Array, ids: jax.Array, first_expert, num_local: int) -> jax.Array:
+    """Each token's k pair rows [T*k, H] added in float32 -> [T, H]; rows of pairs routed to experts held
+    elsewhere were never written and add nothing."""
+    num_tokens, top_k = ids.shape
+    expert = ids.reshape(-1) - first_expert
+    local = (expert >= 0) & (expert < num_local)
+    return jnp.where(local[:, None], out.astype(jnp.float32), 0.0).reshape(num_tokens, top_k, -1).sum(axis=1)
+
+
+def _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, first_expert, shared, *, block_n, block_k, num_warps,
+                     num_stages, split_k, down, interpret) -> jax.Array:
+    """The two few-token launches -> out [T*k (+ T with `shared`: (gate, up, down, scale)), H] in x's dtype: each
+    pair's (and each token's shared) expert output times its weight, at its row; rows of pairs routed elsewhere
+    unwritten."""
     num_tokens, top_k = ids.shape
     num_local, hidden, inter = w_gate.shape
     rows = max(16, pl.next_power_of_2(num_tokens))  # a dot tile has at least 16 rows
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    if shared is not None and (shared[0].shape != (hidden, inter) or shared[1].shape != (hidden, inter)
+                               or shared[2].shape != (inter, hidden) or shared[3].shape != (num_tokens,)):
+        raise ValueError(f"moe_gemm: the shared expert {[a.shape for a in shared]} is not [H, I], [H, I], [I, H] "
+                         f"and scale [T] with the routed experts' H {hidden}, I {inter}, T {num_tokens}")
     routing = (jnp.asarray(first_expert, jnp.int32).reshape(1), ids.astype(jnp.int32), weights)
     pairs = num_tokens * top_k
+    out_rows = pairs + (num_tokens if shared is not None else 0)
+    extra = 1 if shared is not None else 0  # the shared expert's program row
 
     by_pair = pairs < num_local  # a program per pair (its expert's first) rather than one per local expert
     programs = pairs if by_pair else num_local
     bn, bk = tile_size(inter, block_n), tile_size(hidden, block_k)
-    split_k = split_contraction(programs * (inter // bn), hidden // bk, split_k)
-    h_shapes = (jax.ShapeDtypeStruct((pairs, inter), x.dtype),) if split_k == 1 else \
-        (jax.ShapeDtypeStruct((split_k, pairs, inter), jnp.float32),) * 2  # gate, up partial sums
+    split_k = split_contraction((programs + extra) * (inter // bn), hidden // bk, split_k)
+    h_shapes = (jax.ShapeDtypeStruct((out_rows, inter), x.dtype),) if split_k == 1 else \
+        (jax.ShapeDtypeStruct((split_k, out_rows, inter), jnp.float32),) * 2  # gate, up partial sums
     gate_up = _call(functools.partial(_few_gate_up_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair,
-                                      split_k=split_k),
-                    h_shapes, (programs, inter // bn, split_k), interpret, num_warps, num_stages, "moe_few_gate_up")
-    h = gate_up(*routing, x, w_gate, w_up)
+                                      split_k=split_k, shared=shared is not None),
+                    h_shapes, (programs + extra, inter // bn, split_k), interpret, num_warps, num_stages,
+                    "moe_few_gate_up")
+    h = gate_up(*routing, x, w_gate, w_up, *(shared[:2] if shared is not None else ()))
     # Rows of pairs not routed here hold garbage; the down kernel never reads them.
     h = h[0] if split_k == 1 else _swiglu(h[0].sum(axis=0), h[1].sum(axis=0), dtype=x.dtype)
 
     down_n, down_k, down_warps, down_stages = down or (block_n, block_k, num_warps, num_stages)
     bn, bk = tile_size(hidden, down_n), tile_size(inter, down_k)
-    down_call = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair),
-                      jax.ShapeDtypeStruct((pairs, hidden), x.dtype), (programs, hidden // bn), interpret,
-                      down_warps, down_stages, "moe_few_down")
-    out = down_call(*routing, h, w_down)
-
-    # Rows of pairs routed to experts held elsewhere were never written.
-    expert = ids.reshape(-1) - first_expert
-    local = (expert >= 0) & (expert < num_local)
-    return jnp.where(local[:, None], out.astype(jnp.float32), 0.0).reshape(num_tokens, top_k, hidden).sum(axis=1)
+    down_call = _call(functools.partial(_few_down_kernel, rows=rows, block_n=bn, block_k=bk, by_pair=by_pair,
+                                        shared=shared is not None),
+                      jax.ShapeDtypeStruct((out_rows, hidden), x.dtype), (programs + extra, hidden // bn),
+                      interpret, down_warps, down_stages, "moe_few_down")
+    return down_call(*routing, h, w_down, *((shared[2], shared[3].astype(x.dtype)) if shared is not None else ()))
 
 
 def _call(kernel, out_shape, grid, interpret, num_warps, num_stages, name):

@@ -38,6 +38,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import gdn, moe_gemm, paged_attention, rms_norm, router, skinny_matmul
 from pallas_kernels.tiling import triton_available
@@ -49,7 +50,7 @@ from qwen_jax.layers.gated_deltanet import (
     verify_causal_convs,
     verify_delta_rule,
 )
-from qwen_jax.layers.mlp import dense, routed_experts_f32, sparse_moe
+from qwen_jax.layers.mlp import dense, drop_padding, linears, routed_experts_f32, sparse_moe
 from qwen_jax.layers.norms import rms_norm as norm_reference
 
 KERNELS = ("auto", "gpu", "reference")  # the engine's `kernels` argument
@@ -113,6 +114,26 @@ def dense_kernel(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], contract: i
     return out if isinstance(w, tuple) else out[0]
 
 
+def moe_kernel(x: jax.Array, p: dict, top_k: int, renormalize: bool, valid: jax.Array | None = None, *,
+               dense_op=dense) -> jax.Array:
+    """The `moe` op on the kernels. Up to moe_gemm.FEW_TOKENS tokens, with a shared expert as wide as the routed
+    ones, the shared expert runs inside the routed experts' two launches (moe_gemm.few_token_moe) and only the
+    router and the shared expert's 1-column gate go through `dense`; elsewhere sparse_moe over the kernels."""
+    shared = ("shared_gate", "shared_up", "shared_down")
+    tokens = math.prod(x.shape[:-1])
+    fits = all(n in p for n in shared) and p["shared_gate"].shape == p["w_gate"].shape[1:] == p["shared_up"].shape \
+        and p["shared_down"].shape == p["w_down"].shape[1:]
+    if tokens > moe_gemm.FEW_TOKENS or not fits:
+        return sparse_moe(x, p, top_k, renormalize, valid, dense_op=dense_op, route_op=router.route_logits,
+                          experts_op=moe_gemm.routed_experts)
+    logits, expert_gate = linears(x, (p["router"], p["shared_expert_gate"]), dense_op)
+    weights, ids = router.route_logits(logits, top_k, renormalize)
+    scale = jax.nn.sigmoid(expert_gate.astype(jnp.float32)).astype(x.dtype).reshape(tokens)
+    return moe_gemm.few_token_moe(x, weights, drop_padding(ids, valid), p["w_gate"], p["w_up"], p["w_down"],
+                                  tuple(p[n] for n in shared), scale,
+                                  **moe_gemm.few_token_tiles(tokens))
+
+
 def norm_kernel(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
     """The `norm` op on the one-row kernel (pallas_kernels/rms_norm.py) for one row, where XLA takes two kernels;
     from two rows on XLA's one fused kernel (the reference)."""
@@ -151,8 +172,7 @@ def ops_for(kernels: str, partitioned: bool = False) -> Ops:
                    verify_conv=verify_causal_convs, commit_verified=commit_verified)
     dense_op = dense if partitioned else dense_kernel
     return Ops(attention=paged_attention.paged_attention, delta_rule=gdn.delta_rule,
-               moe=functools.partial(sparse_moe, dense_op=dense_op, route_op=router.route_logits,
-                                     experts_op=moe_gemm.routed_experts),
+               moe=functools.partial(moe_kernel, dense_op=dense_op),
                experts=moe_gemm.routed_experts, dense=dense_op,
                norm=norm_reference if partitioned else norm_kernel,
                conv=causal_convs if partitioned else conv_kernel, verify_delta_rule=gdn.verify_delta_rule,

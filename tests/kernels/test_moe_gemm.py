@@ -1,16 +1,19 @@
 """The Pallas MoE grouped GEMM (interpret mode on CPU) against its jnp reference (ragged_dot), both layouts (the
 expert-major few-token kernels and the sorted blocks), over ragged routings: empty experts, one expert taking every
-token, experts held elsewhere (expert parallel), odd token counts; plus their lowering to Triton for CUDA."""
+token, experts held elsewhere (expert parallel), odd token counts; the kernels' `moe` op with the shared expert
+inside the few-token launches against the reference MoE block; plus their lowering to Triton for CUDA."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from jax.extend.core import jaxprs_in_params
 
-from pallas_kernels.moe_gemm import FEW_TOKENS, plan, routed_experts
-from qwen_jax.layers.mlp import route
+from pallas_kernels.moe_gemm import FEW_TOKENS, few_token_moe, few_token_tiles, plan, routed_experts
+from qwen_jax.layers.mlp import route, sparse_moe
 from qwen_jax.layers.mlp import routed_experts_f32 as reference
+from qwen_jax.layers.ops import ops_for
 
 
 def make_inputs(seed: int, tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype=jnp.bfloat16):
@@ -126,7 +129,9 @@ def test_under_jit_with_traced_first_expert(few_tokens):
     # one token: a program per pair (8), not per expert (256); gate_up's contraction in 4 slices (256 programs)
     (1, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 8 : i32, grid_y = 8 : i32, grid_z = 4",
                                                "grid_x = 8 : i32, grid_y = 32 : i32, grid_z = 1")),
-    (4, ("moe_few_gate_up",), ("grid_x = 32 : i32, grid_y = 8 : i32, grid_z = 1",)),  # 256 programs: no split
+    # a verify row's 2-4 tokens: 128-column tiles, no split (moe_gemm.FEW_TOKEN_TILES)
+    (4, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 32 : i32, grid_y = 4 : i32, grid_z = 1",
+                                               "grid_x = 32 : i32, grid_y = 16 : i32, grid_z = 1", "num_warps = 2")),
     (31, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 248 : i32, grid_y = 8 ",)),  # 248 pairs < 256 experts
     (FEW_TOKENS, ("moe_few_gate_up", "moe_few_down"), ("grid_x = 256 : i32, grid_y = 8 ",)),
     (FEW_TOKENS + 1, ("moe_gate_up", "moe_down"), ("grid_x = 289 : i32, grid_y = 8 ",)),  # 520 pairs / 16 + 256
@@ -146,3 +151,81 @@ def test_lowers_to_two_triton_calls_for_cuda(tokens, kernels, grids):
     assert all(f'name = "{name}"' in text for name in kernels)
     assert all(grid in text for grid in grids)
     assert ("stablehlo.sort" in text) == (tokens > FEW_TOKENS)
+
+
+def moe_params(seed: int, experts: int, hidden: int, inter: int, shared_inter: int) -> dict:
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(0.2 * rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    return dict(router=normal(hidden, experts), w_gate=normal(experts, hidden, inter),
+                w_up=normal(experts, hidden, inter), w_down=normal(experts, inter, hidden),
+                shared_gate=normal(hidden, shared_inter), shared_up=normal(hidden, shared_inter),
+                shared_down=normal(shared_inter, hidden), shared_expert_gate=normal(hidden, 1))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,shared_inter", [
+    (1, 16, 4, 32),  # a program per pair, plus the shared expert's
+    (3, 16, 4, 32),  # a verify row's tokens
+    (9, 8, 2, 32),   # a program per expert (18 pairs >= 8 experts), plus the shared expert's
+    (3, 16, 4, 64),  # a shared expert wider than the routed ones: sparse_moe over the kernels
+])
+def test_moe_op_runs_the_shared_expert_with_the_routed_ones(tokens, experts, top_k, shared_inter):
+    """The kernels' `moe` op (the shared expert inside the few-token launches where it is as wide as the routed
+    experts) gives the reference's block output, padding tokens included (they skip the routed experts only)."""
+    p = moe_params(tokens, experts, 64, 32, shared_inter)
+    x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 64), np.float32), jnp.bfloat16)
+    valid = jnp.arange(tokens) < max(tokens - 1, 1)
+    got = ops_for("gpu").moe(x, p, top_k, True, valid)
+    assert got.dtype == x.dtype
+    assert rel_err(got, sparse_moe(x, p, top_k, True, valid)) < 1e-2
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_few_token_moe_splits_the_shared_contraction_too(split_k):
+    """The shared expert's gate_up row splits its contraction like the routed ones (float32 partial sums)."""
+    p = moe_params(5, 16, 256, 32, 32)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 256), np.float32), jnp.bfloat16)
+    weights, ids = route(x, p["router"], 4, True)
+    scale = jax.nn.sigmoid((x @ p["shared_expert_gate"]).astype(jnp.float32)).astype(x.dtype)[:, 0]
+    got = few_token_moe(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"],
+                        (p["shared_gate"], p["shared_up"], p["shared_down"]), scale, block_n=32, block_k=64,
+                        split_k=split_k)
+    assert rel_err(got, sparse_moe(x, p, 4, True)) < 1e-2
+    with pytest.raises(ValueError, match="is not \\[H, I\\]"):
+        few_token_moe(x, weights, ids, p["w_gate"], p["w_up"], p["w_down"],
+                      (p["shared_up"], p["shared_up"], p["shared_down"][:16]), scale)
+
+
+def outer_eqns(jaxpr):
+    """The equations of jaxpr and of the jaxprs it calls, but not those inside kernels (pallas_call)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name != "pallas_call":
+            for sub in jaxprs_in_params(eqn.params):
+                yield from outer_eqns(sub)
+
+
+def test_moe_op_runs_the_shared_expert_in_the_routed_launches_for_cuda():
+    """At a verify row's 3 tokens (35B-A3B shapes) the kernels' `moe` op runs the router and the two expert
+    kernels, and no GEMM but the router's and the shared expert gate's: the shared expert's projections are no
+    XLA dots. Lowered for CUDA, each expert kernel has one more program row than the 24 pairs: the shared
+    expert's."""
+    s = jax.ShapeDtypeStruct
+    e, h, i = 256, 2048, 512
+    p = dict(router=s((h, e), jnp.bfloat16), w_gate=s((e, h, i), jnp.bfloat16), w_up=s((e, h, i), jnp.bfloat16),
+             w_down=s((e, i, h), jnp.bfloat16), shared_gate=s((h, i), jnp.bfloat16),
+             shared_up=s((h, i), jnp.bfloat16), shared_down=s((i, h), jnp.bfloat16),
+             shared_expert_gate=s((h, 1), jnp.bfloat16))
+    moe = ops_for("gpu").moe
+    jaxpr = jax.make_jaxpr(lambda x, p: moe(x, p, 8, True))(s((3, h), jnp.bfloat16), p).jaxpr
+    assert [e.params["name"] for e in outer_eqns(jaxpr) if e.primitive.name == "pallas_call"] == \
+        ["moe_router", "moe_few_gate_up", "moe_few_down"]
+    assert sum(e.primitive.name == "dot_general" for e in outer_eqns(jaxpr)) == 2
+
+    args = (s((3, h), jnp.bfloat16), s((3, 8), jnp.bfloat16), s((3, 8), jnp.int32), p["w_gate"], p["w_up"],
+            p["w_down"], (p["shared_gate"], p["shared_up"], p["shared_down"]), s((3,), jnp.bfloat16))
+    fn = jax.jit(lambda *a: few_token_moe(*a, **few_token_tiles(3), interpret=False))
+    text = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
+    assert "grid_x = 25 : i32, grid_y = 4 : i32, grid_z = 1" in text  # gate_up: 128-column tiles, no split
+    assert "grid_x = 25 : i32, grid_y = 16 : i32, grid_z = 1" in text  # down
