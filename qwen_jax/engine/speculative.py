@@ -73,9 +73,11 @@ def speculation(config: dict | str | None, has_mtp: bool = True) -> Speculation:
 # a program for up to 8 rows, as the engine runs them) over the plain decode step's time a token (four steps a program
 # for up to 8 rows), each program issued before the one before it is read back, as the engine core runs them. One
 # H200, Qwen3.5-35B-A3B with random weights, context 1,536, `python -m qwen_jax.bench.step_profile --kernels gpu
-# --batches 1,4,16,64 --verify 0,1,2,3 --context 1536` at ca0f3d9 (RESULTS.json). Rows between two entries take the
-# larger's; past the last entry nothing is measured and no step speculates.
-VERIFY_COST = {1: (1.40, 1.73, 1.98), 4: (1.39, 1.81, 2.14), 16: (1.50, 1.93, 2.16), 64: (1.30, 1.44, 1.55)}
+# --batches 1,4,16,64 --verify 0,1,2,3 --context 1536` at 6824139 (RESULTS.json). Rows between two entries take the
+# larger's; past the last entry nothing is measured and no step speculates. 128 rows measured 1.32 / 1.52 / 1.69 but
+# stay out: a verify step holds every GDN layer's per-token states until its commit (~1.5 MB a token a layer: 23 GB
+# at 128 rows of k = 3, 46 GB at 256, where it ran out of memory), which the memory plan does not set aside.
+VERIFY_COST = {1: (1.37, 1.68, 1.92), 4: (1.46, 1.90, 2.25), 16: (1.63, 1.97, 2.18), 64: (1.37, 1.46, 1.56)}
 # A fresh engine expects each draft accepted with this probability (Qwen3.5's head on real text: acceptance lengths
 # ~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3), held as PRIOR_ROWS verified rows' worth of evidence.
 PRIOR_ACCEPTANCE, PRIOR_ROWS = 0.8, 8.0
