@@ -11,7 +11,9 @@ Few tokens (decode, at most FEW_TOKENS): expert-major, no sort. One program per 
   1. gate_up: x @ w_gate[e], x @ w_up[e] and SwiGLU, each routed row stored at its pair's row of h [T*k, I];
   2. down:    h's rows of the expert's pairs @ w_down[e], times the routing weight, stored at the pair's row;
   and one XLA fusion sums a token's k rows in float32. Two launches and a sum: the sort, bincount and scatters of a
-  plan cost more than the weight traffic at one token (8 experts, 50 MB).
+  plan cost more than the weight traffic at one token (8 experts, 50 MB). `few_token_moe` also runs a shared
+  expert as wide as the routed ones, as one more program row of both launches over every token (rows T*k + t),
+  instead of its own few-row GEMMs and their fusions.
 Many tokens (prefill): the (token, expert) pairs are sorted by expert and each expert's group is padded to a
   multiple of `block_m` rows, so every block of rows belongs to one expert (the layout of vLLM's fused_moe), then
   the same two GEMMs run one program per (row block, column block), and XLA scales each pair by its routing weight
