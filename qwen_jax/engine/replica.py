@@ -33,6 +33,10 @@ DECODE_STEPS_MAX_ROWS = 8
 # The default token budget of a step (engine argument max_num_batched_tokens; core.py says why).
 GPU_BATCHED_TOKENS = 8192
 BATCHED_TOKENS = 2048
+# The share of the memory held back from the caches that a verify step's per-token GDN states may take: 90% (35B-A3B
+# on one H200 at gpu_memory_utilization 0.9: ~18 of ~20 GB, 61 MB a token, ~300 tokens) lets 64 rows of 3 drafts
+# verify (16 GB; served), not 256 (a 46 GB allocation ran out of memory).
+VERIFY_STATES_SHARE = 0.9
 
 
 class Replica:
@@ -55,7 +59,7 @@ class Replica:
         self.prefix_cache = (PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid)
                              if args["enable_prefix_caching"] else None)
         spec = speculation(args["speculative_config"], cfg.has_mtp)
-        policy = DraftPolicy(spec) if spec.num_drafts else None
+        policy = DraftPolicy(spec, self.max_verify_tokens) if spec.num_drafts else None
         self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.prefix_cache, max_model_len, policy)
         steps = args["num_scheduler_steps"]
@@ -79,16 +83,23 @@ class Replica:
         per_counts = 4 * cfg.vocab_size  # a slot's penalty counts
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = [d.memory_stats() or {} for d in local]
+        util = float(args["gpu_memory_utilization"])
+        held_back = float("inf")  # memory left to activations and compiled programs
         if not local:  # a replica on other hosts: theirs decide (the allgather below)
             budget = float("inf")
         elif all("bytes_limit" in s for s in stats):
             # 5% of each device held back for activations and compiled programs
-            budget = min(s["bytes_limit"] * (float(args["gpu_memory_utilization"]) - 0.05) - s["bytes_in_use"]
-                         for s in stats)
+            budget = min(s["bytes_limit"] * (util - 0.05) - s["bytes_in_use"] for s in stats)
+            held_back = min(s["bytes_limit"] * (1.05 - util) for s in stats)
         else:
             budget = float(args["cpu_cache_budget_gib"]) * 2**30
-        if jax.process_count() > 1:  # every host must build the same cache shapes
-            budget = float(np.min(multihost_utils.process_allgather(np.float64(budget))))
+        if jax.process_count() > 1:  # every host must build the same cache shapes and verify programs
+            budget, held_back = (float(v) for v in np.min(multihost_utils.process_allgather(
+                np.array([budget, held_back], np.float64)), axis=0))
+        # A verify step keeps every GDN layer's state after each of its tokens until its commit (a slot's worth a
+        # token), in the memory held back from the cache: its tokens are capped to fit (None: no cap known).
+        self.max_verify_tokens = int(VERIFY_STATES_SHARE * held_back // per_slot) \
+            if per_slot and held_back < float("inf") else None
         blocks_per_seq = -(-self.max_model_len // block_size)
         state_bytes = (self.max_num_seqs + 1) * (per_slot + per_counts)
         snapshots = args["num_snapshots"]

@@ -75,8 +75,9 @@ def speculation(config: dict | str | None, has_mtp: bool = True) -> Speculation:
 # H200, Qwen3.5-35B-A3B with random weights, context 1,536, `python -m qwen_jax.bench.step_profile --kernels gpu
 # --batches 1,4,16,64 --verify 0,1,2,3 --context 1536` at 6824139 (RESULTS.json). Rows between two entries take the
 # larger's; past the last entry nothing is measured and no step speculates. 128 rows measured 1.32 / 1.52 / 1.69 but
-# stay out: a verify step holds every GDN layer's per-token states until its commit (~1.5 MB a token a layer: 23 GB
-# at 128 rows of k = 3, 46 GB at 256, where it ran out of memory), which the memory plan does not set aside.
+# stay out: a verify step holds every GDN layer's state after each of its tokens until its commit (~61 MB a token
+# for 35B-A3B: 46 GB at 256 rows of k = 3 ran out of memory), and the memory held back from the caches fits ~300
+# such tokens on an H200 (replica.VERIFY_STATES_SHARE caps every verify step to it, `max_verify_tokens`).
 VERIFY_COST = {1: (1.37, 1.68, 1.92), 4: (1.46, 1.90, 2.25), 16: (1.63, 1.97, 2.18), 64: (1.37, 1.46, 1.56)}
 # A fresh engine expects each draft accepted with this probability (Qwen3.5's head on real text: acceptance lengths
 # ~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3), held as PRIOR_ROWS verified rows' worth of evidence.
@@ -106,8 +107,9 @@ class DraftPolicy:
     over the step's cost (VERIFY_COST) above one plain step's token. Host-side; the core records every verified
     row."""
 
-    def __init__(self, spec: Speculation):
+    def __init__(self, spec: Speculation, max_verify_tokens: int | None = None):
         self.spec = spec
+        self.max_verify_tokens = max_verify_tokens  # a verify step's most tokens (None: any)
         self.accepted = PRIOR_ACCEPTANCE * PRIOR_ROWS  # decayed sums: drafts accepted,
         self.rejected = (1.0 - PRIOR_ACCEPTANCE) * PRIOR_ROWS  # and rounds that rejected one
         self.plain_steps = 0  # steps that could have verified and did not, since the last verify step
@@ -118,12 +120,16 @@ class DraftPolicy:
         return self.accepted / (self.accepted + self.rejected)
 
     def drafts_at(self, rows: int) -> int:
-        """The drafts a row verifies when a step of `rows` decoding rows speculates (0: such a step never does)."""
-        if self.spec.fixed or not self.spec.num_drafts:
-            return self.spec.num_drafts
-        gains = [1.0] + [expected_tokens(k, PRIOR_ACCEPTANCE) / (verify_cost(rows, k) or float("inf"))
-                         for k in range(1, self.spec.num_drafts + 1)]
-        return max(range(len(gains)), key=gains.__getitem__)
+        """The drafts a row verifies when a step of `rows` decoding rows speculates (0: such a step never does). A
+        step of more than max_verify_tokens tokens never verifies: a fixed k past it gives plain steps, and the
+        default policy picks among the k that fit."""
+        fits = [k for k in range(1, self.spec.num_drafts + 1)
+                if self.max_verify_tokens is None or rows * (k + 1) <= self.max_verify_tokens]
+        if self.spec.fixed:
+            return self.spec.num_drafts if self.spec.num_drafts in fits else 0
+        gains = {0: 1.0} | {k: expected_tokens(k, PRIOR_ACCEPTANCE) / (verify_cost(rows, k) or float("inf"))
+                            for k in fits}
+        return max(gains, key=gains.__getitem__)
 
     def _pays(self, rows: int, k: int) -> bool:
         return self.spec.fixed or expected_tokens(k, self.acceptance) > verify_cost(rows, k)

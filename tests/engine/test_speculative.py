@@ -109,6 +109,15 @@ def test_each_emitted_token_is_the_plain_samplers_draw_with_that_positions_key()
             assert emitted[r] == 1 + next((j for j in range(k) if drafts[r, j] != plain[r, j]), k)
 
 
+def test_steps_past_the_verify_token_cap_do_not_verify():
+    """A verify step of more than max_verify_tokens tokens never runs: a fixed k gives plain steps there, the default
+    policy the largest paying k that fits."""
+    fixed = DraftPolicy(Speculation(3, fixed=True), max_verify_tokens=100)
+    assert (fixed.drafts_at(25), fixed.drafts_at(26)) == (3, 0)
+    default = DraftPolicy(Speculation(3, fixed=False), max_verify_tokens=100)
+    assert (default.drafts_at(25), default.drafts_at(40), default.drafts_at(60)) == (3, 1, 0)
+
+
 def test_the_policy_picks_drafts_by_rows_and_turns_off_where_they_do_not_pay():
     policy = DraftPolicy(Speculation(3, fixed=False))
     largest = max(speculative.VERIFY_COST)
