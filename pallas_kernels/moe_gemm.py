@@ -340,18 +340,21 @@ def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: 
 
 def few_token_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                   w_down: jax.Array, shared: tuple[jax.Array, jax.Array, jax.Array], shared_scale: jax.Array, *,
-                  block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 4,
-                  split_k: int | None = None, down: tuple[int, int, int, int] | None = None,
-                  interpret: bool | None = None) -> jax.Array:
+                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, split_k: int | None = None,
+                  down: tuple[int, int, int, int] | None = None, interpret: bool | None = None) -> jax.Array:
     """A MoE block's experts for a few tokens, the shared expert run as one more program row of the same two
     launches: routed_experts(...) rounded to x's dtype + shared_scale [T] * shared expert(x), each product rounded
     as the reference (qwen_jax.layers.mlp.sparse_moe) rounds it -> [T, H] in x's dtype. shared: the shared
-    expert's (gate [H, I], up [H, I], down [I, H]), I the routed experts' width. Why: as separate launches the
-    shared expert's GEMMs of a few rows (6 MB) cost ~6 us a layer, in these kernels ~1.5 (the bytes). All experts
-    are local (first expert 0). Tiles as few_token_experts."""
-    out = _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, 0, (*shared, shared_scale), block_n=block_n,
-                           block_k=block_k, num_warps=num_warps, num_stages=num_stages, split_k=split_k, down=down,
-                           interpret=interpret)
+    expert's (gate [H, I], up [H, I], down [I, H]), I the routed experts' width. Why: the shared expert's own
+    few-row GEMMs and their fusions took ~6 us a layer for its 6 MB; here it adds its bytes' time (a k = 2 verify
+    round at one row, 41 such layers: 0.26 ms less GPU time on an H200). All experts
+    are local (first expert 0). Tiles as few_token_experts; None: few_token_tiles at this many tokens."""
+    given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, split_k=split_k,
+                 down=down)
+    tiles = few_token_tiles(ids.shape[0]) | {k: v for k, v in given.items() if v is not None}
+    out = _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, 0, (*shared, shared_scale), interpret=interpret,
+                           **tiles)
     pairs = ids.size
     return _routed_sum(out[:pairs], ids, 0, w_gate.shape[0]).astype(x.dtype) + out[pairs:]
 

@@ -130,8 +130,7 @@ def moe_kernel(x: jax.Array, p: dict, top_k: int, renormalize: bool, valid: jax.
     weights, ids = router.route_logits(logits, top_k, renormalize)
     scale = jax.nn.sigmoid(expert_gate.astype(jnp.float32)).astype(x.dtype).reshape(tokens)
     return moe_gemm.few_token_moe(x, weights, drop_padding(ids, valid), p["w_gate"], p["w_up"], p["w_down"],
-                                  tuple(p[n] for n in shared), scale,
-                                  **moe_gemm.few_token_tiles(tokens))
+                                  tuple(p[n] for n in shared), scale)
 
 
 def norm_kernel(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:

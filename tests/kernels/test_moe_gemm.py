@@ -10,7 +10,7 @@ import pytest
 from jax import export
 from jax.extend.core import jaxprs_in_params
 
-from pallas_kernels.moe_gemm import FEW_TOKENS, few_token_moe, few_token_tiles, plan, routed_experts
+from pallas_kernels.moe_gemm import FEW_TOKENS, few_token_moe, plan, routed_experts
 from qwen_jax.layers.mlp import route, sparse_moe
 from qwen_jax.layers.mlp import routed_experts_f32 as reference
 from qwen_jax.layers.ops import ops_for
@@ -223,7 +223,7 @@ def test_moe_op_runs_the_shared_expert_in_the_routed_launches_for_cuda():
 
     args = (s((3, h), jnp.bfloat16), s((3, 8), jnp.bfloat16), s((3, 8), jnp.int32), p["w_gate"], p["w_up"],
             p["w_down"], (p["shared_gate"], p["shared_up"], p["shared_down"]), s((3,), jnp.bfloat16))
-    fn = jax.jit(lambda *a: few_token_moe(*a, **few_token_tiles(3), interpret=False))
+    fn = jax.jit(lambda *a: few_token_moe(*a, interpret=False))  # default tiles: few_token_tiles(3)
     text = export.export(fn, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
