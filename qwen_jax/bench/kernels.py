@@ -333,11 +333,13 @@ def time_chained(fn: Callable, args: tuple, chain: int, repeats: int, operand_se
 MOE_FULL = dict(tokens=(1, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384), experts=256, hidden=2048, inter=512,
                 shared_inter=512, top_k=8, chain=10, repeats=5)
 MOE_SMALL = dict(tokens=(1, 9), experts=8, hidden=64, inter=32, shared_inter=32, top_k=2, chain=2, repeats=1)
-# Expert-major few-token kernels, tried up to twice FEW_TOKENS: (block_n, block_k, num_warps, num_stages); the
-# first is the default.
-# Narrower column tiles (16-32: more programs at one token) and 128-deep k steps were slower at every size, also
-# with programs per pair.
-MOE_FEW_CONFIGS = [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4)]
+# Expert-major few-token kernels, tried up to twice FEW_TOKENS: (block_n, block_k, num_warps, num_stages, split_k,
+# down's tiles); None: moe_gemm.FEW_TOKEN_TILES' at that size. Narrower column tiles (16-32: more programs at one
+# token) and 128-deep k steps were slower at every size, also with programs per pair; at 2-4 tokens 8 warps and no
+# split lead gate_up and 2 warps down (H200, ~200 pairs of tiles by GPU time, RESULTS.json).
+MOE_FEW_CONFIGS = [(64, 64, 4, 4, None, (64, 64, 4, 4)), (64, 64, 4, 3, None, (64, 64, 4, 3)),
+                   (128, 64, 4, 3, None, (128, 64, 4, 3)), (128, 64, 8, 4, 1, (128, 64, 2, 3)),
+                   (64, 64, 8, 3, 2, (64, 64, 2, 2))]
 # Sorted blocks: (block_m, block_n, block_k, num_warps, num_stages), None: moe_gemm.default_tiles; below
 # MOE_SORTED_SWEEP tokens only the defaults run (for comparison with the few-token kernels).
 MOE_SORTED_CONFIGS = [(None,) * 5, (64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3),
@@ -396,8 +398,9 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool, defau
     sweep = tokens >= MOE_SORTED_SWEEP and not small
     candidates = [dict()]
     if tokens <= 2 * moe_gemm.FEW_TOKENS:
-        candidates += [dict(few_tokens=True, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-                       for bn, bk, w, st in (MOE_FEW_CONFIGS[:2] if small else MOE_FEW_CONFIGS)]
+        candidates += [dict(few_tokens=True, block_n=bn, block_k=bk, num_warps=w, num_stages=st, split_k=sk,
+                            down=down)
+                       for bn, bk, w, st, sk, down in (MOE_FEW_CONFIGS[:2] if small else MOE_FEW_CONFIGS)]
     candidates += [dict(few_tokens=False, triton=False, block_m=bm, block_n=bn, block_k=bk, num_warps=w,
                         num_stages=st) for bm, bn, bk, w, st in (MOE_SORTED_CONFIGS if sweep else [(None,) * 5])]
     if native and tokens > moe_gemm.FEW_TOKENS:
@@ -415,6 +418,7 @@ def _moe_candidates(tokens: int, dims: dict, interpret: bool, small: bool, defau
                                                       "pallas moe_gemm, sorted")
         down = f"; down BN={t['down'][0]} BK={t['down'][1]} w={t['down'][2]} s={t['down'][3]}" if t["down"] else ""
         down += f"; tail_m={t['tail_m']}" if t.get("tail_m") else ""
+        down += f"; split_k={t['split_k']}" if t.get("split_k") else ""
         label = ("" if t["few_tokens"] else f"BM={t['block_m']} ") + \
             f"BN={t['block_n']} BK={t['block_k']} w={t['num_warps']} s={t['num_stages']}" + down
         out.append((impl, label, functools.partial(moe_gemm.routed_experts, interpret=interpret, **given)))
