@@ -60,8 +60,10 @@ FEW_TOKEN_TILES = [(1, 64, 64, 4, 4, None, None),
 
 
 def few_token_tiles(num_tokens: int) -> dict:
-    """few_token_experts' (and few_token_moe's) tiles at this many tokens (FEW_TOKEN_TILES)."""
-    _, bn, bk, warps, stages, split_k, down = next(t for t in FEW_TOKEN_TILES if num_tokens <= t[0])
+    """few_token_experts' (and few_token_moe's) tiles at this many tokens (FEW_TOKEN_TILES; past FEW_TOKENS, where
+    a caller forces the few-token layout, its last row's)."""
+    _, bn, bk, warps, stages, split_k, down = next(t for t in FEW_TOKEN_TILES
+                                                   if min(num_tokens, FEW_TOKENS) <= t[0])
     return dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split_k, down=down)
 
 
@@ -325,16 +327,17 @@ def _few_down_kernel(first_expert_ref, ids_ref, weights_ref, h_ref, w_down_ref, 
 
 
 def few_token_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int = 64,
-                      block_k: int = 64, num_warps: int = 4, num_stages: int = 4, split_k: int | None = None,
-                      down: tuple[int, int, int, int] | None = None, interpret: bool | None = None) -> jax.Array:
-    """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). Default tiles: the
-    steadiest of two qwen_jax/bench/kernels.py sweeps on an H200 at 1-64 tokens. (block_n, block_k, num_warps,
-    num_stages) are gate_up's; `down` gives the down kernel's own, else it takes gate_up's. split_k: slices of
-    gate_up's contraction (None: split_contraction)."""
-    out = _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, first_expert, None, block_n=block_n,
-                           block_k=block_k, num_warps=num_warps, num_stages=num_stages, split_k=split_k, down=down,
-                           interpret=interpret)
+                      w_down: jax.Array, first_expert: jax.Array | int = 0, *, block_n: int | None = None,
+                      block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                      split_k: int | None = None, down: tuple[int, int, int, int] | None = None,
+                      interpret: bool | None = None) -> jax.Array:
+    """`routed_experts` for a few tokens: the expert-major kernels above (same contract, no sort). (block_n,
+    block_k, num_warps, num_stages) are gate_up's; `down` gives the down kernel's own, else it takes gate_up's.
+    split_k: slices of gate_up's contraction (split_contraction where the tiles leave it None). None tiles:
+    few_token_tiles at this many tokens."""
+    tiles = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, split_k=split_k,
+                 down=down)
+    out = _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, first_expert, None, tiles, interpret)
     return _routed_sum(out, ids, first_expert, w_gate.shape[0])
 
 
@@ -348,13 +351,11 @@ def few_token_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.
     as the reference (qwen_jax.layers.mlp.sparse_moe) rounds it -> [T, H] in x's dtype. shared: the shared
     expert's (gate [H, I], up [H, I], down [I, H]), I the routed experts' width. Why: the shared expert's own
     few-row GEMMs and their fusions took ~6 us a layer for its 6 MB; here it adds its bytes' time (a k = 2 verify
-    round at one row, 41 such layers: 0.26 ms less GPU time on an H200). All experts
-    are local (first expert 0). Tiles as few_token_experts; None: few_token_tiles at this many tokens."""
-    given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, split_k=split_k,
+    round at one row, 41 such layers: 0.26 ms less GPU time on an H200). All experts are local (first expert 0).
+    Tiles as few_token_experts."""
+    tiles = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, split_k=split_k,
                  down=down)
-    tiles = few_token_tiles(ids.shape[0]) | {k: v for k, v in given.items() if v is not None}
-    out = _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, 0, (*shared, shared_scale), interpret=interpret,
-                           **tiles)
+    out = _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, 0, (*shared, shared_scale), tiles, interpret)
     pairs = ids.size
     return _routed_sum(out[:pairs], ids, 0, w_gate.shape[0]).astype(x.dtype) + out[pairs:]
 
@@ -368,12 +369,15 @@ def _routed_sum(out: jax.Array, ids: jax.Array, first_expert, num_local: int) ->
     return jnp.where(local[:, None], out.astype(jnp.float32), 0.0).reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
-def _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, first_expert, shared, *, block_n, block_k, num_warps,
-                     num_stages, split_k, down, interpret) -> jax.Array:
+def _few_token_pairs(x, weights, ids, w_gate, w_up, w_down, first_expert, shared, given: dict, interpret
+                     ) -> jax.Array:
     """The two few-token launches -> out [T*k (+ T with `shared`: (gate, up, down, scale)), H] in x's dtype: each
     pair's (and each token's shared) expert output times its weight, at its row; rows of pairs routed elsewhere
-    unwritten."""
+    unwritten. `given` tiles that are None take few_token_tiles'."""
     num_tokens, top_k = ids.shape
+    tiles = few_token_tiles(num_tokens) | {k: v for k, v in given.items() if v is not None}
+    block_n, block_k, num_warps, num_stages = (tiles[k] for k in ("block_n", "block_k", "num_warps", "num_stages"))
+    split_k, down = tiles["split_k"], tiles["down"]
     num_local, hidden, inter = w_gate.shape
     rows = max(16, pl.next_power_of_2(num_tokens))  # a dot tile has at least 16 rows
     if interpret is None:

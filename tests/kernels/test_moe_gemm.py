@@ -39,6 +39,7 @@ LAYOUTS = pytest.mark.parametrize("few_tokens", [True, False], ids=["few_tokens"
     (1, 7, 8, 64, 32, 2, None),     # odd token count
     (2, 40, 8, 128, 64, 2, 16),     # several full blocks per expert
     (3, 33, 4, 64, 48, 3, 32),      # intermediate size 48: column tile falls back to 16; top_k 3 pads to 4
+    (4, 66, 8, 64, 32, 2, None),    # past FEW_TOKENS: the few-token layout forced (its largest size's tiles)
 ])
 def test_kernel_matches_reference(seed, tokens, experts, hidden, inter, top_k, block_m, few_tokens):
     x, weights, ids, wg, wu, wd = make_inputs(seed, tokens, experts, hidden, inter, top_k)
