@@ -83,14 +83,15 @@ class Replica:
         per_counts = 4 * cfg.vocab_size  # a slot's penalty counts
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = [d.memory_stats() or {} for d in local]
-        util = float(args["gpu_memory_utilization"])
+        # weights and caches may take this share of each device; 5% more than gpu_memory_utilization asks is held
+        # back for activations and compiled programs
+        share = float(args["gpu_memory_utilization"]) - 0.05
         held_back = float("inf")  # memory left to activations and compiled programs
         if not local:  # a replica on other hosts: theirs decide (the allgather below)
             budget = float("inf")
         elif all("bytes_limit" in s for s in stats):
-            # 5% of each device held back for activations and compiled programs
-            budget = min(s["bytes_limit"] * (util - 0.05) - s["bytes_in_use"] for s in stats)
-            held_back = min(s["bytes_limit"] * (1.05 - util) for s in stats)
+            budget = min(s["bytes_limit"] * share - s["bytes_in_use"] for s in stats)
+            held_back = min(s["bytes_limit"] * (1.0 - share) for s in stats)
         else:
             budget = float(args["cpu_cache_budget_gib"]) * 2**30
         if jax.process_count() > 1:  # every host must build the same cache shapes and verify programs
