@@ -7,8 +7,11 @@ and keeps the front here: tokenizer, validation, detokenization, stop strings an
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import AsyncIterator, Sequence
+
+import jax
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine.core import ENGINE_ARGS, EngineCore, check_request, engine_args
@@ -22,10 +25,15 @@ from qwen_jax.engine.model_files import (
     resolve_path,
 )
 from qwen_jax.engine.output import OutputProcessor
+from qwen_jax.models.decoder import param_shapes
 from qwen_jax.outputs import RequestOutput
 from qwen_jax.sampling_params import SamplingParams
+from sharding.devices import auto_layout, gpu_memory_bytes, parse_layout, replica_environments, visible_gpus
+from sharding.distributed import settings
 
 Prompt = str | list[int] | dict
+# The engine arguments that set where the model runs (AsyncLLM.from_engine_args' `layout` sets them all).
+LAYOUT_ARGS = ("data_parallel_size", "tensor_parallel_size", "enable_expert_parallel")
 
 
 def _prompt_ids(engine_tokenizer, prompt: Prompt) -> list[int]:
@@ -94,13 +102,13 @@ class EngineDead(RuntimeError):
 
 
 class AsyncLLM:
-    """The server's engine: the core in its own process, one asyncio queue per request here. Construct with
-    from_engine_args, then `await start()`."""
+    """The server's engine: the core in a process of its own (one per data-parallel replica on one host), one asyncio
+    queue per request here. Construct with from_engine_args, then `await start()`."""
 
     def __init__(self, model_path: str, engine_args: dict, warmup: str = "auto"):
-        """warmup: "minimal" compiles the smallest and largest step before serving; "full" every token bucket (a
-        shape first met while serving stalls every running request while it compiles); "auto" is "full" on
-        accelerators and "minimal" on the CPU."""
+        """warmup: "minimal" compiles the smallest and largest step before serving; "full" every program serving
+        can run (a shape first met while serving would stall every running request while it compiles); "auto" is
+        "full" on accelerators and "minimal" on the CPU."""
         if warmup not in ("auto", "minimal", "full"):
             raise ValueError(f"warmup must be 'auto', 'minimal' or 'full', not {warmup!r}")
         self.model_path = model_path
@@ -114,61 +122,120 @@ class AsyncLLM:
         self.model_name = model_path.rstrip("/").split("/")[-1]
         self.output = OutputProcessor(self.tokenizer)
         self.error: str | None = None
-        self._core: CoreProcess | None = None
+        self._cores: list[CoreProcess] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, asyncio.Queue] = {}
-        self._stats: dict = {}
+        self._owner: dict[str, int] = {}  # request -> the core it runs on
+        self._load: list[int] = []  # requests running on each core
+        self._stats: list[dict] = []  # each core's counters as of its last message
+        self._started: list[asyncio.Future] = []  # each core's "compiled", then its "ready"
         self._on_dead = None
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, warmup: str = "auto", **given) -> AsyncLLM:
+    def from_engine_args(cls, model: str | None = None, warmup: str = "auto", layout: str | None = None,
+                         **given) -> AsyncLLM:
+        """`layout`: "auto" puts the model on every visible GPU of this host in the best measured layout
+        (sharding/devices.py AUTO_LAYOUTS) unless a layout engine argument is given; "DP=2,TP=2"-style text sets
+        data_parallel_size, tensor_parallel_size and enable_expert_parallel; None: the engine arguments alone."""
         engine_args(given)  # unknown names fail here, not in the core process
         if given.get("tokenizer") is not None:
             given["tokenizer"] = resolve_path(given["tokenizer"])
-        return cls(resolve_model(model), given, warmup)
+        path = resolve_model(model)
+        explicit = [name for name in LAYOUT_ARGS if given.get(name)]
+        if layout not in (None, "auto"):
+            if explicit:
+                raise ValueError(f"layout {layout!r} and {', '.join(explicit)} both set the layout: give one")
+            dp, tp, ep = parse_layout(layout)
+            given.update(data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=ep)
+        elif layout == "auto" and not explicit and settings(given.get("num_hosts"))[0] == 1:
+            gpus = visible_gpus()
+            if len(gpus) > 1:
+                cfg = read_model_config(path, given.get("dtype", ENGINE_ARGS["dtype"]))
+                weights = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(param_shapes(cfg)))
+                dp, tp, ep = auto_layout(len(gpus), weights, gpu_memory_bytes())
+                given.update(data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=ep)
+        return cls(path, given, warmup)
 
     def on_dead(self, callback) -> None:
-        """`callback(reason)` runs on the event loop once if the engine core dies while serving."""
+        """`callback(reason)` runs on the event loop once if an engine core dies while serving."""
         self._on_dead = callback
 
+    def core_plans(self) -> list[tuple[dict, dict[str, str]]]:
+        """(engine arguments, environment) of each core process: one for the whole engine, or on one host with
+        data_parallel_size D > 1, one per replica (data_parallel_rank i) that sees only its own devices."""
+        dp = int(self.engine_args.get("data_parallel_size") or 1)
+        if dp == 1 or settings(self.engine_args.get("num_hosts"))[0] > 1:
+            return [(self.engine_args, {})]
+        envs = replica_environments(dp, self.engine_args.get("tensor_parallel_size"))
+        return [({**self.engine_args, "data_parallel_rank": i}, env) for i, env in enumerate(envs)]
+
     async def start(self) -> None:
-        """Start the core process (load, compile) and wait until it serves."""
+        """Start the core process(es) (load, compile) and wait until every one serves."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        self._core = CoreProcess(self.model_path, self.engine_args, self.warmup, self._on_message)
-        info = await self._ready
-        self._stats = info["stats"]
+        plans = self.core_plans()
+        n = len(plans)
+        self._load, self._stats = [0] * n, [{}] * n
+        self._started = [self._loop.create_future() for _ in range(n)]
+        for i, (args, env) in enumerate(plans):
+            self._cores.append(CoreProcess(self.model_path, args, self.warmup, functools.partial(self._on_message, i),
+                                           env=env, part=(i, n) if n > 1 else None))
+        try:
+            if n > 1:  # each core compiles its share, then all compile the rest from the cache and run (core_client)
+                await asyncio.gather(*self._started)
+                self._started = [self._loop.create_future() for _ in range(n)]
+                for core in self._cores:
+                    core.send(("warm",))
+            await asyncio.gather(*self._started)
+        except EngineDead as exc:
+            await asyncio.gather(*(asyncio.to_thread(core.close) for core in self._cores))
+            if not self._ready.done():
+                self._ready.set_exception(exc)
+        if not self._ready.done():
+            self._ready.set_result(None)
+        await self._ready
 
-    def _on_message(self, message: tuple) -> None:
-        """On the core reader thread: turn outputs into RequestOutputs here (detokenizing off the event loop), then
+    def _on_message(self, core: int, message: tuple) -> None:
+        """On a core's reader thread: turn outputs into RequestOutputs here (detokenizing off the event loop), then
         hand them to the loop in one callback."""
         kind = message[0]
         if kind == "outputs":
             _, outputs, stats = message
             results, ended = self.output.process(outputs)
-            self._loop.call_soon_threadsafe(self._deliver, results, ended, stats)
-        elif kind == "ready":
-            self._loop.call_soon_threadsafe(self._ready.set_result, message[1])
+            self._loop.call_soon_threadsafe(self._deliver, core, results, ended, stats)
+        elif kind in ("compiled", "ready"):
+            info = message[1] if kind == "ready" else {}
+            self._loop.call_soon_threadsafe(self._core_started, core, info)
         elif kind == "failed":
             self._loop.call_soon_threadsafe(self._fail, message[1])
 
-    def _deliver(self, results: list, ended: list[str], stats: dict) -> None:
-        self._stats = stats
+    def _core_started(self, core: int, info: dict) -> None:
+        if "stats" in info:
+            self._stats[core] = info["stats"]
+        if not self._started[core].done():
+            self._started[core].set_result(None)
+
+    def _deliver(self, core: int, results: list, ended: list[str], stats: dict) -> None:
+        self._stats[core] = stats
         if ended:
-            self._core.send(("abort", ended))
+            self._cores[core].send(("abort", ended))
         for out in results:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
 
     def _fail(self, reason: str) -> None:
+        """A core died (or failed to start): every request in flight fails, on every core (the server then exits)."""
         first = self.error is None
         if first:
             lines = reason.strip().splitlines()
             self.error = lines[-1] if lines else "the engine core failed"
         if not self._ready.done():
-            self._ready.set_exception(EngineDead(f"the engine core failed to start: {self.error}"))
+            dead = EngineDead(f"the engine core failed to start: {self.error}")
+            for started in self._started:
+                if not started.done():
+                    started.set_exception(dead)
             return
         for stream in self._streams.values():
             stream.put_nowait(EngineDead(f"the engine core died: {self.error}"))
@@ -192,7 +259,10 @@ class AsyncLLM:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self.output.add(request_id, prompt_token_ids, params)
-        self._core.send(("add", request_id, prompt_token_ids, params))
+        core = min(range(len(self._cores)), key=self._load.__getitem__)  # the least busy (ties: the lowest index)
+        self._owner[request_id] = core
+        self._load[core] += 1
+        self._cores[core].send(("add", request_id, prompt_token_ids, params))
         finished = False
         try:
             while True:
@@ -211,18 +281,35 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 await self.abort(request_id)
+            self._load[self._owner.pop(request_id)] -= 1
 
     async def abort(self, request_id: str) -> None:
-        if self._core is not None and self.error is None:
-            self._core.send(("abort", [request_id]))
+        core = self._owner.get(request_id)
+        if core is not None and self.error is None:
+            self._cores[core].send(("abort", [request_id]))
 
     def stats(self) -> dict:
-        """The engine's counters as of its last message (sent with every step's outputs, or twice a second)."""
-        return self._stats
+        """The engine's counters as of each core's last message (sent with every step's outputs, or twice a
+        second), summed over the cores."""
+        return sum_stats(self._stats)
 
     async def shutdown(self) -> None:
-        """Abort what is still running, then stop the core process (and, on several hosts, the followers)."""
+        """Abort what is still running, then stop the core processes (and, on several hosts, the followers)."""
         for rid in list(self._streams):
             await self.abort(rid)
-        if self._core is not None:
-            await asyncio.to_thread(self._core.close)
+        await asyncio.gather(*(asyncio.to_thread(core.close) for core in self._cores))
+
+
+def sum_stats(stats: list[dict]) -> dict:
+    """Counters of several cores summed (lists element by element)."""
+    if len(stats) == 1:
+        return stats[0]
+    total: dict = {}
+    for one in stats:
+        for key, value in one.items():
+            if isinstance(value, list):
+                have = total.get(key, [0] * len(value))
+                total[key] = [a + b for a, b in zip(have, value, strict=True)]
+            else:
+                total[key] = total.get(key, 0) + value
+    return total

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help=engine("enable_expert_parallel", "split the routed experts over the devices instead of "
                                                          "each expert's weights"))
+    p.add_argument("--layout", default="auto",
+                   help="where the model runs: 'auto' puts it on every visible GPU of this host in the best measured "
+                        "layout unless -tp, -dp or --enable-expert-parallel is given (one GPU: itself; its table: "
+                        "docs/ARCHITECTURE.md, 'Layouts'), or 'DP=2,TP=2' / 'TP=4,EP' / 'EP=4' (default: "
+                        "%(default)s)")
     p.add_argument("--num-hosts", type=int, default=None,
                    help="processes (hosts) serving one model together, joined by jax.distributed; host 0 alone "
                         "serves HTTP (default: $JAX_NUM_PROCESSES, else 1)")
@@ -314,9 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     from qwen_jax import AsyncLLM
     from server.app import ServerConfig, create_app
 
-    engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, **engine_args(args))
+    try:
+        engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, layout=args.layout, **engine_args(args))
+    except ValueError as exc:
+        print(f"python -m server: error: {exc}", file=sys.stderr)
+        return 2
+    dp = engine.engine_args.get("data_parallel_size") or 1
+    log.info("layout: %d data-parallel replica(s) x tensor-parallel size %s%s", dp,
+             engine.engine_args.get("tensor_parallel_size") or "all devices",
+             ", experts split" if engine.engine_args.get("enable_expert_parallel") else "")
     # --max-num-seqs is per data-parallel replica (as in vLLM): the engine runs dp times as many sequences at once.
-    running = (args.max_num_seqs or 64) * (args.data_parallel_size or 1)
+    running = (args.max_num_seqs or 64) * dp
     config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
                           max_num_seqs=running, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,

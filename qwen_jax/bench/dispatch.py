@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # 2. The real one-token step, issued one ahead: transfer, forward, sampler; each step's inputs copied into one
     # buffer in place, as the runner stages them.
-    host, layout = runner.step_inputs_for(1)
+    host, layout = runner.compiler.step_inputs(1)
     tensors = SamplingTensors.build_host([], [], vocab_size=cfg.vocab_size, batch_size=1,
                                          num_penalty_rows=runner.num_slots)
     sampling, sampling_layout = step.pack(tensors._asdict())

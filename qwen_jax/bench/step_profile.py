@@ -134,7 +134,7 @@ def verify_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, p
     every recurrent state and drafts the next k, round after round, and each program is issued before the one
     before it is read back. Wall and GPU time of a program and of each round; `profile`: also its TOP kernels."""
     k = runner.num_speculative_tokens
-    rounds = runner.verify_rounds(batch, k) if k else 1
+    rounds = (runner.max_verify_rounds if batch <= runner.decode_steps_max_rows else 1) if k else 1
     # blocks for every round's tokens and the positions its last drafts are made at
     seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 2, rounds * (k + 1) + k)
     row = {"verify_batch": batch, "draft_tokens": k, "rounds": rounds, "context": context}
@@ -268,7 +268,7 @@ def main(argv: Seq[str] | None = None) -> dict:
                                  num_scheduler_steps=args.num_scheduler_steps,
                                  kernels=args.kernels, speculative_config=spec_config(k)))
         runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
-        runner.compile(sorted({step.bucket_for(n, runner.token_buckets) for n in token_counts}))
+        runner.compiler.compile(sorted({step.bucket_for(n, runner.token_buckets) for n in token_counts}))
         return runner
 
     runner = build_runner(0, [*batches, *prefills])

@@ -49,6 +49,9 @@ ENGINE_ARGS = dict(
     enable_prefix_caching=True,
     tensor_parallel_size=1,
     data_parallel_size=1,  # D independent replicas, replica i on devices [i*tp, (i+1)*tp)
+    # This engine is data-parallel replica `rank` of data_parallel_size alone, on every device it sees (the server
+    # runs each replica of one host in a process of its own that sees only its devices: llm.AsyncLLM); None: all D.
+    data_parallel_rank=None,
     enable_expert_parallel=False,
     # "auto": read the checkpoint; "dummy": random weights with the real shapes; "dummy_echo" (a benchmarking aid for
     # speculative decoding): those weights with the main layers' residual writers zero and the MTP head set to
@@ -132,7 +135,11 @@ class EngineCore:
         distributed.initialize(args["num_hosts"], args["host_index"], args["coordinator_address"])
         self.model_path = model_path
         dp = int(args["data_parallel_size"])
-        replica_meshes = mesh.replica_meshes(args["tensor_parallel_size"], dp, bool(args["enable_expert_parallel"]))
+        rank = args["data_parallel_rank"]
+        if rank is not None and not 0 <= int(rank) < dp:
+            raise ValueError(f"data_parallel_rank {rank} is outside 0..{dp - 1}")
+        replica_meshes = mesh.replica_meshes(args["tensor_parallel_size"], 1 if rank is not None else dp,
+                                             bool(args["enable_expert_parallel"]))
         self.replica_hosts = [sorted({d.process_index for d in m.devices.flat}) for m in replica_meshes]
         idle = set(range(jax.process_count())) - {h for hosts in self.replica_hosts for h in hosts}
         if idle:
@@ -160,9 +167,10 @@ class EngineCore:
         jax.block_until_ready(replica_params)
         self.load_seconds = time.perf_counter() - t0
         # Distinct sampling seeds per replica (seed * dp + i): unseeded rows of two replicas draw different numbers.
+        ranks = [int(rank)] if rank is not None else range(dp)
         self.replicas = [Replica(i, cfg, params, m, args, self.max_model_len, self.eos_token_ids,
                                  seed=int(args["seed"]) * dp + i)
-                         for i, (params, m) in enumerate(zip(replica_params, replica_meshes, strict=True))]
+                         for i, params, m in zip(ranks, replica_params, replica_meshes, strict=True)]
         # Several hosts: host 0 alone schedules (every replica), and sends each step's ops (the runner's device work
         # as host data) to the other hosts of that replica; they run them in follow() (engine/multihost.py). A
         # replica on other hosts only sends its sampled outputs back. Every host makes the same channels in order.
@@ -191,7 +199,7 @@ class EngineCore:
         trace = os.environ.get("QWEN_JAX_STEP_TRACE")
         self._trace = open(trace, "a", buffering=1) if trace else None
         log.info("loaded %s in %.1fs; %s; total over %d replica(s): %d sequences at once, %d KV cache tokens",
-                 model_path, self.load_seconds, "; ".join(r.describe() for r in self.replicas), dp,
+                 model_path, self.load_seconds, "; ".join(r.describe() for r in self.replicas), len(self.replicas),
                  sum(r.max_num_seqs for r in self.replicas), sum(r.num_tokens for r in self.replicas))
 
     def _load_params(self, source: TensorSource | None, args: dict, replica_meshes: list) -> list[dict | None]:
@@ -259,23 +267,15 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._in_flight) or any(r.has_work for r in self.replicas)
 
-    def warmup(self, full: bool = False, background: bool = False) -> None:
-        """Compile the step programs before serving (Replica.warmup); with `background`, most of a full warm-up
-        goes on while serving (on one host only: other hosts compile a step when they first run it, and would hold
-        up host 0's). Replicas compile concurrently (the compiler releases the GIL)."""
-        background = background and not self.channels
+    def warmup(self, full: bool = False, part: tuple[int, int] | None = None) -> None:
+        """Compile the step programs and run each once before serving (Replica.warmup): full, every program serving
+        can run, so no step ever waits on a compile. Replicas compile concurrently (the compiler releases the GIL).
+        `part`: only this core's share of a compile shared through the persistent cache (core_client)."""
         if len(self.replicas) == 1:
-            self.replicas[0].warmup(full, background)
+            self.replicas[0].warmup(full, part)
             return
         with ThreadPoolExecutor(len(self.replicas)) as pool:
-            list(pool.map(lambda r: r.warmup(full, background), self.replicas))
-
-    def run_compiled(self) -> bool:
-        """While nothing runs: give one program compiled in the background its first run, which would otherwise
-        stall the step that first needs it (ModelRunner.run_compiled). Whether one ran."""
-        if self.has_unfinished:
-            return False
-        return any(r.runner.run_compiled() for r in self.replicas)
+            list(pool.map(lambda r: r.warmup(full, part), self.replicas))
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:

@@ -2,8 +2,14 @@
 own) and talks to it over two ZeroMQ pipes of pickled messages: requests and aborts in, token outputs out.
 
 Front -> core messages: ("add", request_id, prompt_token_ids, SamplingParams), ("abort", [request_id, ...]),
-("shutdown",). Core -> front: ("ready", info), ("outputs", [CoreOutput, ...], stats), ("failed", reason) when the
-core cannot start or dies. Nothing here detokenizes or schedules.
+("shutdown",), and ("warm",) at start-up (below). Core -> front: ("compiled",) (below), ("ready", info), ("outputs",
+[CoreOutput, ...], stats), ("failed", reason) when the core cannot start or dies. Nothing here detokenizes or
+schedules.
+
+Data-parallel replicas on one host run one core process each (the front starts them: llm.AsyncLLM), each seeing only
+its own devices, so every replica compiles the very same programs: with a persistent compilation cache, core i of n
+first compiles every n-th program (`part`), says "compiled", and once the front has heard it from every core and
+sent "warm", compiles the rest from the cache and runs each program once.
 """
 
 from __future__ import annotations
@@ -31,10 +37,15 @@ INHERITED_CONFIG = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compi
                     "jax_persistent_cache_min_entry_size_bytes")
 
 
-def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outputs: str, jax_config: dict) -> None:
-    """The core process: build the engine, compile, then serve the pipes until "shutdown" or the front's death."""
+def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outputs: str, jax_config: dict,
+             env: dict[str, str], part: tuple[int, int] | None) -> None:
+    """The core process: build the engine, compile, then serve the pipes until "shutdown" or the front's death.
+    `env`: environment variables set before JAX starts (the devices this core sees); `part`: its share of a compile
+    shared with the other cores (see above)."""
+    os.environ.update(env)
+    name = "core" if part is None else f"core {part[0]}"
     logging.basicConfig(level=os.environ.get("QWEN_JAX_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+                        format=f"%(asctime)s %(levelname)s %(name)s[{name}]: %(message)s")
     import jax
 
     for name, value in jax_config.items():
@@ -52,11 +63,15 @@ def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outpu
         from qwen_jax.engine.core import EngineCore
 
         core = EngineCore(model_path, **engine_args)
-        # auto: on an accelerator the buckets a server needs first before it serves, the others while it serves
-        if warmup == "auto" and core.on_accelerator:
-            core.warmup(full=True, background=True)
-        else:
-            core.warmup(full=warmup == "full")
+        # auto: every program on an accelerator (a server is ready when it serves at full speed), the smallest and
+        # largest step's elsewhere
+        full = warmup == "full" or (warmup == "auto" and core.on_accelerator)
+        if part is not None and part[1] > 1 and jax.config.jax_compilation_cache_dir:
+            core.warmup(full, part=part)
+            send(("compiled",))
+            while pickle.loads(pull.recv())[0] != "warm":
+                pass
+        core.warmup(full)
     except BaseException:
         send(("failed", traceback.format_exc()))
         raise
@@ -79,7 +94,7 @@ def _serve(core, pull, send: Callable) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
-        timeout = 0 if core.has_unfinished or core.run_compiled() else IDLE_POLL_MS
+        timeout = 0 if core.has_unfinished else IDLE_POLL_MS
         outputs = []
         while poller.poll(timeout):
             message = pickle.loads(pull.recv())
@@ -112,7 +127,10 @@ class CoreProcess:
     """The front's handle on a core process. `on_message` runs on a reader thread of its own for every message the
     core sends, and once with ("failed", reason) if the core dies without saying why."""
 
-    def __init__(self, model_path: str, engine_args: dict, warmup: str, on_message: Callable[[tuple], None]):
+    def __init__(self, model_path: str, engine_args: dict, warmup: str, on_message: Callable[[tuple], None],
+                 env: dict[str, str] | None = None, part: tuple[int, int] | None = None):
+        """`env`: environment variables the core process sets before JAX starts (its devices); `part`: (i, n) for
+        core i of n data-parallel cores that share their compile (see above)."""
         self._dir = tempfile.mkdtemp(prefix="qwen-jax-core-")
         inputs, outputs = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._context = zmq.Context()
@@ -130,7 +148,8 @@ class CoreProcess:
         jax_config = {name: getattr(jax.config, name) for name in INHERITED_CONFIG}
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(target=run_core,
-                                     args=(model_path, engine_args, warmup, inputs, outputs, jax_config),
+                                     args=(model_path, engine_args, warmup, inputs, outputs, jax_config, env or {},
+                                           part),
                                      name="qwen-jax-core", daemon=True)
         self.process.start()
         self._reader = threading.Thread(target=self._read, name="qwen-jax-core-reader", daemon=True)

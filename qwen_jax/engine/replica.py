@@ -14,7 +14,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.engine import step
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.runner import ModelRunner
@@ -33,10 +32,12 @@ DECODE_STEPS_MAX_ROWS = 8
 # The default token budget of a step (engine argument max_num_batched_tokens; core.py says why).
 GPU_BATCHED_TOKENS = 8192
 BATCHED_TOKENS = 2048
-# The share of the memory held back from the caches that a verify step's per-token GDN states may take: 90% (35B-A3B
-# on one H200 at gpu_memory_utilization 0.9: ~18 of ~20 GB, 61 MB a token, ~300 tokens) lets 64 rows of 3 drafts
-# verify (16 GB; served), not 256 (a 46 GB allocation ran out of memory).
-VERIFY_STATES_SHARE = 0.9
+# The share of the memory held back from the caches that a verify step's per-token GDN states may take. The rest is
+# for the largest other program's working memory, which the allocator keeps while the verify step runs, and the
+# compiled programs (Compiler.check_memory checks both at start-up). 35B-A3B on one H200 at gpu_memory_utilization
+# 0.9: ~11 of ~20 GB held back at 61 MB a token, ~190 tokens (64 rows of 2 drafts); 90% (64 rows of 3 drafts, a
+# 15.4 GiB allocation) ran out of memory at max_num_seqs 256 after the 8,192-token prefill had run.
+VERIFY_STATES_SHARE = 0.55
 
 
 class Replica:
@@ -53,12 +54,12 @@ class Replica:
             budget = GPU_BATCHED_TOKENS if jax.default_backend() == "gpu" else BATCHED_TOKENS
         self.max_num_batched_tokens = int(budget)
         self.block_size = int(args["block_size"])
-        self._size_memory(args)
+        spec = speculation(args["speculative_config"], cfg.has_mtp)
+        self._size_memory(args, spec.num_drafts if spec.fixed else 0)
         self.blocks = BlockPool(self.num_blocks, self.block_size)
         self.slots = SlotPool(self.max_num_seqs + 1)
         self.prefix_cache = (PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid)
                              if args["enable_prefix_caching"] else None)
-        spec = speculation(args["speculative_config"], cfg.has_mtp)
         policy = DraftPolicy(spec, self.max_verify_tokens) if spec.num_drafts else None
         self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.prefix_cache, max_model_len, policy)
@@ -74,9 +75,10 @@ class Replica:
         self.scheduler.verify_rounds = self.runner.verify_rounds
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
-    def _size_memory(self, args: dict) -> None:
+    def _size_memory(self, args: dict, fixed_drafts: int) -> None:
         """Cache sizes from the tightest device of this replica: its free memory (after the weights are placed) and
-        its shard of a block / slot (a slot also holds a row of penalty counts, whole on every device)."""
+        its shard of a block / slot (a slot also holds a row of penalty counts, whole on every device).
+        `fixed_drafts`: the drafts every verify step must verify (a fixed speculative config; 0: none)."""
         cfg, block_size = self.cfg, self.block_size
         per_block = rules.cache_bytes_per_device(cfg, self.mesh, 1, block_size, 0)  # KV pages of every layer
         per_slot = rules.cache_bytes_per_device(cfg, self.mesh, 0, block_size, 1)  # GDN state of every layer
@@ -101,6 +103,12 @@ class Replica:
         # token), in the memory held back from the cache: its tokens are capped to fit (None: no cap known).
         self.max_verify_tokens = int(VERIFY_STATES_SHARE * held_back // per_slot) \
             if per_slot and held_back < float("inf") else None
+        self.held_back = held_back if held_back < float("inf") else None
+        if fixed_drafts and self.max_verify_tokens is not None and self.max_verify_tokens < fixed_drafts + 1:
+            need, room = (fixed_drafts + 1) * per_slot / 2**30, VERIFY_STATES_SHARE * held_back / 2**30
+            raise ValueError(f"a verify step of one request with {fixed_drafts} drafts keeps {fixed_drafts + 1} "
+                             f"tokens' recurrent states ({need:.2f} GiB), more than the {room:.2f} GiB it may take: "
+                             f"lower num_speculative_tokens or --gpu-memory-utilization")
         blocks_per_seq = -(-self.max_model_len // block_size)
         state_bytes = (self.max_num_seqs + 1) * (per_slot + per_counts)
         snapshots = args["num_snapshots"]
@@ -142,17 +150,13 @@ class Replica:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def warmup(self, full: bool, background: bool = False) -> None:
-        """Compile this replica's step programs before it serves. Minimal: the smallest and the largest token
-        bucket. Full: also the bucket of a decode step of max_num_seqs rows, then every other bucket, before
-        serving or (`background`) while serving. Runs padding only: no request, block or counter is touched."""
-        buckets = self.runner.token_buckets
-        first = sorted({buckets[0], buckets[-1]} | ({step.bucket_for(self.max_num_seqs, buckets)} if full else set()))
-        rest = [size for size in buckets if size not in first] if full else []
-        # Decode sizes first: every running request waits on them, prefill sizes only the new ones.
-        rest.sort(key=lambda size: (size > self.max_num_seqs, size))
-        self.runner.warmup(first + ([] if background else rest), max_pairs=self.max_num_seqs if full else 1,
-                           background=rest if background else [])
+    def warmup(self, full: bool, part: tuple[int, int] | None = None) -> None:
+        """Compile this replica's step programs and run each once before it serves (Compiler.warm_up), checking
+        them against the memory plan. Full: every program serving can run; else the smallest and the largest token
+        bucket's. `part`: only this process's share of a compile shared through the persistent cache. Runs padding
+        only: no request, block or counter is touched."""
+        self.runner.compiler.held_back = self.held_back
+        self.runner.compiler.warm_up(full, max_pairs=self.max_num_seqs if full else 1, part=part)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

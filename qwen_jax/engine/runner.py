@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -21,6 +18,7 @@ from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine import grammar, step
+from qwen_jax.engine.compilation import Compiler
 from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, cut_path
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.speculative import VerifyOutput
@@ -34,10 +32,6 @@ log = logging.getLogger("qwen_jax")
 # Every step with a row asking for logprobs computes the API maximum of top-n (one compiled width, not 21).
 TOP_LOGPROBS_WIDTH = SamplingParams.MAX_LOGPROBS
 _GREEDY = SamplingParams(temperature=0.0)
-# Steps compiled at once at warm-up, and later in the background while serving (XLA's compiler releases the GIL;
-# each compile also keeps a few cores busy).
-COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "4"))
-BACKGROUND_COMPILE_THREADS = 2
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -66,6 +60,9 @@ class ModelRunner:
         self.kernels = kernels
         self.params = params
         self.mesh = mesh if mesh is not None else make_mesh(1)
+        # Only the common samplers are compiled into the several-step decode and verify programs ahead on an
+        # accelerator (on the CPU every variant is jitted when first needed)
+        self.on_accelerator = self.mesh.devices.flat[0].platform != "cpu"
         self.block_size = block_size
         self.table_width = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
@@ -86,7 +83,7 @@ class ModelRunner:
         self.cache = self.snapshots = self.penalty_counts = self.last_tokens = self.drafts = self.emitted = None
         if params is not None:
             self.cache = rules.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots)
-            put = self._put
+            put = self.put
             self.penalty_counts = put(np.zeros((num_slots, cfg.vocab_size), np.int32))
             self.last_tokens = put(np.zeros(max_num_seqs, np.int32))
             # speculative decoding: the drafts proposed for each row of the last step (row r: sample row r's)
@@ -96,34 +93,29 @@ class ModelRunner:
         if params is not None and self.has_snapshots:  # GDN state only (+ the sink at 0), split like the cache
             snapshot_cache = rules.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1)["layers"]
             self.snapshots = [snapshot_cache[i] for i in step.gdn_indices(cfg)]
-        # The compiled forward of each token bucket and the samplers beside them, compiled ahead (several at once:
-        # XLA's compiler releases the GIL) or when a step first needs them. While buckets still compile in the
-        # background a step takes the smallest compiled bucket that holds it (`ready`), never waiting for one.
-        self._forwards: dict[int, jax.stages.Compiled] = {}
+        # The compiled programs, filled ahead by the compiler (engine/compilation.py) or, for what it did not
+        # compile (a minimal warm-up, rare sampling layouts), jitted when a step first needs them.
+        self.forwards: dict[int, jax.stages.Compiled] = {}  # token bucket -> its forward
         # several decode steps a program (decode_steps), each with the sampling layout it was compiled for
-        self._decoders: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
+        self.decoders: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
         # speculative decoding: the MTP head's program after a plain step of each bucket, and the verify steps of
         # each (bucket, drafts a row, rounds)
-        self._drafters: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
-        self._verifiers: dict[tuple[int, int, int], tuple[step.Layout, jax.stages.Compiled]] = {}
-        self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
-        self._stagers: dict[int, jax.stages.Compiled] = {}  # packed-input size -> its stage_inputs program
+        self.drafters: dict[int, tuple[step.Layout, jax.stages.Compiled]] = {}
+        self.verifiers: dict[tuple[int, int, int], tuple[step.Layout, jax.stages.Compiled]] = {}
+        self.stagers: dict[int, jax.stages.Compiled] = {}  # packed-input size -> its stage_inputs program
         # (inputs layout, sampling layout) -> its stage_behind program, compiled ahead for the common sampling layout
-        self._behind_stagers: dict[tuple[step.Layout, step.Layout], jax.stages.Compiled] = {}
-        self._samplers: dict[tuple, jax.stages.Compiled] = {}
-        # None: every bucket, compiled when first needed. Else (compiling in the background) the buckets that are
-        # compiled and have run once: a program's first run costs the host 0.4-1.3 s (H200, 35B-A3B: loading it and
-        # recording its CUDA graphs), which must not fall on a request.
-        self._ready: list[int] | None = None
-        self._to_run: list[int] = []  # compiled in the background, waiting for their first run (run_compiled)
-        self._compiling: threading.Thread | None = None
+        self.behind_stagers: dict[tuple[step.Layout, step.Layout], jax.stages.Compiled] = {}
+        self.samplers: dict[tuple, jax.stages.Compiled] = {}  # (layout, path, top, penalties) -> sample_step
+        self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
+        self.top_logprobs_width = TOP_LOGPROBS_WIDTH
+        self.compiler = Compiler(self)
         # What runs a step's op list (see prepare): `execute` here; a multi-host leader's engine puts the broadcast to
         # the other hosts in front of it (engine/multihost.py).
         self.executor: Callable[[list], SampleOutput | None] = self.execute
         # Time spent blocked on the devices' sampled tokens; the rest of a step is host work (engine stats).
         self.device_wait_seconds = 0.0
 
-    def _put(self, tree):
+    def put(self, tree):
         """Host arrays -> replicated on the mesh (several hosts: each copies only its own devices' part)."""
         sharding = step.replicated(self.mesh)
         if sharding.is_fully_addressable:
@@ -137,7 +129,7 @@ class ModelRunner:
         program issued before this step and not read back yet, by sequence (`_verifying`; their counts are ahead:
         step.Behind)."""
         num_tokens = sum(r.num_tokens for r in rows)
-        padded = step.bucket_for(max(num_tokens, 1), self._ready or self.token_buckets)
+        padded = step.bucket_for(max(num_tokens, 1), self.token_buckets)
         num_requests = step.request_bucket(padded, self.max_num_seqs)
         tokens = np.zeros(padded, np.int32)
         source = np.full(padded, -1, np.int32)
@@ -164,7 +156,7 @@ class ModelRunner:
         behind = self._behind(rows, verifying or {}, num_requests) if self.num_speculative_tokens else None
         if rows and rows[0].drafts:
             return step.pack_inputs(tokens, batch, source, draft_source=draft_source, behind=behind)
-        return step.pack_inputs(tokens, batch, source, self._following(rows, num_requests), behind=behind)
+        return step.pack_inputs(tokens, batch, source, self.following(rows, num_requests), behind=behind)
 
     @staticmethod
     def _verifying(in_flight: list[Row]) -> dict[int, tuple[int, Row]]:
@@ -183,7 +175,7 @@ class ModelRunner:
                 behind.booked[i] = earlier.steps * (earlier.drafts + 1)
         return behind
 
-    def _following(self, rows: list[Row], num_requests: int) -> np.ndarray | None:
+    def following(self, rows: list[Row], num_requests: int) -> np.ndarray | None:
         """A model that speculates: each row's token after its last (the prompt's next one after a chunk that ends
         inside it; -1 after a sampled one, which the device has), for the MTP head (step.draft_step); else None."""
         if not self.num_speculative_tokens:
@@ -226,7 +218,7 @@ class ModelRunner:
         ops = []
         restore = [(r.restore_snapshot, r.seq.slot) for r in rows if r.restore_snapshot is not None]
         if restore and self.has_snapshots:
-            ops.append(("restore", *self._pairs(restore)))
+            ops.append(("restore", *self.pairs(restore)))
         entering = [r.seq for r in rows if r.admitted and r.seq.params.has_penalties]
         if entering:
             ops.append(("penalties", *self._penalty_rows(entering)))
@@ -241,7 +233,7 @@ class ModelRunner:
                     penalties, head and bool(self.num_speculative_tokens), behind))
         save = [(r.seq.slot, r.save_snapshot) for r in rows if r.save_snapshot is not None]
         if save and self.has_snapshots:
-            ops.append(("save", *self._pairs(save)))
+            ops.append(("save", *self.pairs(save)))
         return ops
 
     def _token_masks(self, rows: list[Row]) -> np.ndarray:
@@ -274,8 +266,9 @@ class ModelRunner:
 
     def _penalty_rows(self, seqs: list) -> tuple[np.ndarray, ...]:
         """The penalty-count rows of sequences entering the batch, from their prompt and output so far (padding
-        entries name row num_slots, dropped)."""
-        count, longest = bucket(len(seqs)), bucket(max(s.num_known_tokens for s in seqs), 16)
+        entries name row num_slots, dropped), each padded to the longest sequence the engine runs: one program per
+        count of rows, all compiled ahead."""
+        count, longest = bucket(len(seqs)), self.table_width * self.block_size
         rows = np.full(count, self.num_slots, np.int32)
         ids = np.zeros((count, longest), np.int32)
         num_prompt, num_tokens = np.zeros(count, np.int32), np.zeros(count, np.int32)
@@ -286,7 +279,7 @@ class ModelRunner:
         return rows, ids, num_prompt, num_tokens
 
     @staticmethod
-    def _pairs(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    def pairs(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) index arrays padded to a power of two with (0, 0): padding copies into the sink entry."""
         src, dst = np.zeros((2, bucket(len(pairs))), np.int32)
         for i, (a, b) in enumerate(pairs):
@@ -301,13 +294,13 @@ class ModelRunner:
         out = None
         for kind, *args in ops:
             if kind == "restore":
-                self.cache = step.restore_snapshots(self.cache, self.snapshots, *self._put(tuple(args)),
+                self.cache = step.restore_snapshots(self.cache, self.snapshots, *self.put(tuple(args)),
                                                     cfg=self.cfg, mesh=self.mesh)
             elif kind == "save":
-                self.snapshots = step.save_snapshots(self.cache, self.snapshots, *self._put(tuple(args)),
+                self.snapshots = step.save_snapshots(self.cache, self.snapshots, *self.put(tuple(args)),
                                                      cfg=self.cfg, mesh=self.mesh)
             elif kind == "penalties":
-                self.penalty_counts = step.init_penalties(self.penalty_counts, *self._put(tuple(args)))
+                self.penalty_counts = step.init_penalties(self.penalty_counts, *self.put(tuple(args)))
             elif kind == "step":
                 buffer, layout, sampling, sampling_layout, path, top, penalties, head, behind = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
@@ -335,8 +328,8 @@ class ModelRunner:
                 program = self._verifier(layout, sampling_layout, path, top, draft_len, rounds)
                 out, self.cache, self.last_tokens, self.drafts, self.emitted = program(
                     self.params, self.cache, self.last_tokens, self.drafts, self.emitted, inputs, sampling)
-            elif kind == "compile":
-                self.compile(args[0])
+            elif kind == "compile":  # every program of these token buckets (other hosts compile what host 0 does)
+                self.compiler.compile(args[0])
             else:
                 raise ValueError(f"unknown step op {kind!r}")
         if out is not None:
@@ -348,7 +341,7 @@ class ModelRunner:
                behind: bool) -> tuple[jax.Array, jax.Array]:
         """A step's packed inputs on the devices: the forward's copied into its bucket's input buffer (in place),
         the sampler's as they come; `behind`: both caught up on the verify program before (step.stage_behind)."""
-        buffer, sampling = self._put((np.asarray(buffer), np.asarray(sampling)))
+        buffer, sampling = self.put((np.asarray(buffer), np.asarray(sampling)))
         inputs = self._input_buffer(layout.size)
         if behind:
             self._inputs[layout.size], sampling = self._behind_stager(layout, sampling_layout)(
@@ -358,151 +351,68 @@ class ModelRunner:
         return self._inputs[layout.size], sampling
 
     def _behind_stager(self, layout: step.Layout, sampling_layout: step.Layout):
-        """The stage_behind program of these layouts: compiled with its bucket for the common sampling layout
-        (_compile_speculation), jitted on first use for the others."""
-        program = self._behind_stagers.get((layout, sampling_layout))
+        """The stage_behind program of these layouts: compiled ahead for the common sampling layout, jitted on first
+        use for the others."""
+        program = self.behind_stagers.get((layout, sampling_layout))
         if program is None:
             return functools.partial(step.stage_behind, layout=layout, sampling_layout=sampling_layout)
         return program
 
     def _stager(self, size: int) -> jax.stages.Compiled:
-        """The program that copies packed inputs of `size` into their input buffer; compiled with its bucket, so a
-        bucket's first step while serving compiles nothing."""
-        program = self._stagers.get(size)
-        if program is None:
-            buffer = self._packed(size)
-            program = self._stagers[size] = step.stage_inputs.lower(buffer, buffer).compile()
-        return program
+        """The program that copies packed inputs of `size` into their input buffer (compiled with its bucket)."""
+        return self.compiler.stager(size)
 
     # ---- compiled programs -----------------------------------------------------------------------------------
     @property
     def num_forwards(self) -> int:
         """Forwards compiled so far (one per token bucket)."""
-        return len(self._forwards)
+        return len(self.forwards)
 
     @property
     def num_stagers(self) -> int:
         """Input-staging programs compiled so far (one per token bucket)."""
-        return len(self._stagers)
-
-    def _packed(self, size: int) -> jax.ShapeDtypeStruct:
-        """A packed int32 buffer of `size` as the step programs take it (replicated), for lowering them."""
-        return jax.ShapeDtypeStruct((size,), np.int32, sharding=step.replicated(self.mesh))
-
-    def _abstract(self, tree):
-        """Shapes, dtypes and shardings of device arrays: what lowering needs, safe to read from another thread
-        while the arrays themselves are donated and replaced by steps."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+        return len(self.stagers)
 
     def _forward(self, layout: step.Layout) -> jax.stages.Compiled:
         size = step.layout_shape(layout, "tokens")[0]
-        program = self._forwards.get(size)
-        if program is None:
-            program = self._forwards[size] = self._compile_forward(layout)
-        return program
-
-    def _compile_forward(self, layout: step.Layout) -> jax.stages.Compiled:
-        buffer = self._packed(layout.size)
-        return step.forward.lower(self._abstract(self.params), self._abstract(self.cache),
-                                  self._abstract(self.last_tokens), buffer, layout=layout, cfg=self.cfg,
-                                  mesh=self.mesh, kernels=self.kernels,
-                                  with_hidden=bool(self.num_speculative_tokens)).compile()
+        if size not in self.forwards:  # not compiled ahead (a minimal warm-up)
+            self.compiler.forward(size)
+        return self.forwards[size]
 
     def max_decode_steps(self, seqs: list) -> int:
-        """Decode steps the running sequences `seqs` may run in one program: decode_steps when they are few enough
-        and that program is compiled (it compiles beside its bucket's forward; a step never waits for it), else 1.
-        On a GPU only the greedy / temperature-only sampler without logprobs is compiled into it ahead: other
+        """Decode steps the running sequences `seqs` may run in one program: decode_steps when they are few enough,
+        else 1. On a GPU only the greedy / temperature-only sampler without logprobs is compiled into it ahead: other
         samplers take single steps rather than compile a whole forward on a request's path."""
         if not 0 < len(seqs) <= self.decode_steps_max_rows:
             return 1
-        if self.mesh.devices.flat[0].platform != "cpu" and any(
+        if self.on_accelerator and any(
                 s.params.logprobs is not None or s.params.logit_bias or cut_path([s.params], self.vocab_size)
                 for s in seqs):
             return 1
-        size = step.bucket_for(len(seqs), self._ready or self.token_buckets)
-        return self.decode_steps if size in self._decoders or self._ready is None else 1
+        return self.decode_steps
 
     def _decode_program(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int, steps: int):
         size = step.layout_shape(layout, "tokens")[0]
-        compiled = self._decoders.get(size)
+        compiled = self.decoders.get(size)
         if compiled is not None and (sampling_layout, path, top, steps) == (compiled[0], 0, 0, self.decode_steps):
             return compiled[1]
         return functools.partial(step.decode_steps, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
                                  mesh=self.mesh, kernels=self.kernels, steps=steps, num_top_logprobs=top, path=path)
 
-    def _compile_decoder(self, size: int) -> None:
-        layout = self.step_inputs_for(size)[1]
-        sampling_layout = self._padding_sampling(size)[1]
-        buffer = self._packed(layout.size)
-        sampling = self._packed(sampling_layout.size)
-        self._decoders[size] = sampling_layout, step.decode_steps.lower(
-            self._abstract(self.params), self._abstract(self.cache), self._abstract(self.last_tokens), buffer,
-            sampling, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg, mesh=self.mesh,
-            kernels=self.kernels, steps=self.decode_steps, num_top_logprobs=0, path=0).compile()
-
     # ---- speculative decoding's programs --------------------------------------------------------------------
-    def verify_inputs_for(self, size: int) -> tuple[np.ndarray, step.Layout]:
-        """The packed inputs of a verify step of `size` padding tokens (no request: every write goes to the sinks)."""
-        requests = step.request_bucket(size, self.max_num_seqs)
-        batch = ragged([], [], [], [], size, requests, self.table_width)
-        return step.pack_inputs(np.zeros(size, np.int32), batch, draft_source=np.zeros(requests, np.int32))
-
-    def _verify_variants(self, size: int) -> list[tuple[int, int]]:
-        """The verify programs of token bucket `size` compiled ahead: (drafts a row, rounds) of every row count whose
-        verify step pads to that bucket; several rounds (max_verify_rounds) where decode steps run several a
-        program."""
-        variants = set()
-        for rows in range(1, self.max_num_seqs + 1):
-            k = self.drafts_at(rows)
-            if not k or rows * (k + 1) > self.token_buckets[-1] or step.bucket_for(rows * (k + 1),
-                                                                                 self.token_buckets) != size:
-                continue
-            variants.add((k, 1))
-            if rows <= self.decode_steps_max_rows:
-                variants.add((k, self.max_verify_rounds))
-        return sorted(variants)
-
-    def verify_rounds(self, rows: int, k: int) -> int:
-        """The most rounds one verify program runs for `rows` rows of k drafts (max_verify_rounds where decode steps
-        run several a program); 0 while its program is still compiling in the background (a step never waits for
-        one)."""
-        size = step.bucket_for(rows * (k + 1), self._ready or self.token_buckets)
-        rounds = self.max_verify_rounds if 0 < rows <= self.decode_steps_max_rows else 1
-        if self._ready is None:
-            return rounds
-        return next((r for r in (rounds, 1) if (size, k, r) in self._verifiers), 0)
-
-    def _compile_speculation(self, size: int) -> None:
-        """A model that speculates: the MTP head's program after a plain step of `size` tokens and the verify steps
-        of that bucket (_verify_variants; greedy and temperature-only sampling, no logprobs: the common case; other
-        samplers are jitted when first needed)."""
-        replicated = step.replicated(self.mesh)
-        params, cache = self._abstract(self.params), self._abstract(self.cache)
-        last_tokens, drafts = self._abstract(self.last_tokens), self._abstract(self.drafts)
-        layout = self.step_inputs_for(size)[1]
-        hidden = jax.ShapeDtypeStruct((size, self.cfg.hidden_size), self.cfg.jnp_dtype, sharding=replicated)
-        tokens = jax.ShapeDtypeStruct((size,), np.int32, sharding=replicated)
-        self._drafters[size] = layout, step.draft_step.lower(
-            params, cache, hidden, tokens, last_tokens, drafts, self._packed(layout.size), layout=layout,
-            cfg=self.cfg, mesh=self.mesh, kernels=self.kernels, draft_len=self.num_speculative_tokens).compile()
-        step_layout, layout = layout, self.verify_inputs_for(size)[1]
-        sampling_layout = self._padding_sampling(size)[1]
-        emitted = self._abstract(self.emitted)
-        for k, rounds in self._verify_variants(size):
-            self._verifiers[size, k, rounds] = sampling_layout, step.verify_step.lower(
-                params, cache, last_tokens, drafts, emitted, self._packed(layout.size),
-                self._packed(sampling_layout.size), layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
-                mesh=self.mesh, kernels=self.kernels, draft_len=k, rounds=rounds, num_top_logprobs=0,
-                path=0).compile()
-            self._stager(layout.size)
-        for inputs_layout in {step_layout, layout}:  # any step may follow a verify program still in flight
-            buffer, sampling = self._packed(inputs_layout.size), self._packed(sampling_layout.size)
-            self._behind_stagers[inputs_layout, sampling_layout] = step.stage_behind.lower(
-                buffer, buffer, sampling, emitted, layout=inputs_layout, sampling_layout=sampling_layout).compile()
+    def verify_rounds(self, rows: list[Row], k: int) -> int:
+        """The most rounds one verify program runs for `rows` of k drafts (max_verify_rounds where decode steps run
+        several a program); 0: these rows do not verify. On a GPU only greedy and temperature-only sampling without
+        logprobs is compiled into the verify programs ahead: rows that sample otherwise decode plainly rather than
+        compile a verify program on a request's path."""
+        if self.on_accelerator and any(
+                r.seq.params.logprobs is not None or cut_path([r.seq.params], self.vocab_size) for r in rows):
+            return 0
+        return self.max_verify_rounds if 0 < len(rows) <= self.decode_steps_max_rows else 1
 
     def _drafter(self, layout: step.Layout):
         size = step.layout_shape(layout, "tokens")[0]
-        compiled = self._drafters.get(size)
+        compiled = self.drafters.get(size)
         if compiled is not None and compiled[0] == layout:
             return compiled[1]
         return functools.partial(step.draft_step, layout=layout, cfg=self.cfg, mesh=self.mesh, kernels=self.kernels,
@@ -511,7 +421,7 @@ class ModelRunner:
     def _verifier(self, layout: step.Layout, sampling_layout: step.Layout, path: int, top: int, draft_len: int,
                   rounds: int):
         size = step.layout_shape(layout, "tokens")[0]
-        compiled = self._verifiers.get((size, draft_len, rounds))
+        compiled = self.verifiers.get((size, draft_len, rounds))
         if compiled is not None and (sampling_layout, path, top) == (compiled[0], 0, 0):
             return compiled[1]
         return functools.partial(step.verify_step, layout=layout, sampling_layout=sampling_layout, cfg=self.cfg,
@@ -521,67 +431,17 @@ class ModelRunner:
     def _input_buffer(self, size: int) -> jax.Array:
         buffer = self._inputs.get(size)
         if buffer is None:
-            buffer = self._inputs[size] = self._put(np.zeros(size, np.int32))
+            buffer = self._inputs[size] = self.put(np.zeros(size, np.int32))
         return buffer
 
     def _sampler(self, layout: step.Layout, path: int, top: int, penalties: bool):
-        """The sampler program of a batch: compiled ahead for the common variants (no penalties, bans or logprobs),
-        jitted on first use for the others."""
-        program = self._samplers.get((layout, path, top, penalties))
+        """The sampler program of a batch: compiled ahead for the common sampling layout (no logit_bias, bans or grammar
+        masks), jitted on first use for the others."""
+        program = self.samplers.get((layout, path, top, penalties))
         if program is not None:
             return program
         return lambda logits, sampling, last_tokens, counts: step.sample_step(
             logits, sampling, last_tokens, counts, layout=layout, num_top_logprobs=top, path=path)
-
-    def _compile_sampler(self, layout: step.Layout, path: int) -> None:
-        requests = step.layout_shape(layout, "temperature")[0]
-        logits = jax.ShapeDtypeStruct((requests, self.vocab_size), np.float32, sharding=step.replicated(self.mesh))
-        sampling = self._packed(layout.size)
-        self._samplers[layout, path, 0, False] = step.sample_step.lower(
-            logits, sampling, self._abstract(self.last_tokens), None, layout=layout, num_top_logprobs=0,
-            path=path).compile()
-
-    def _padding_sampling(self, size: int) -> tuple[np.ndarray, step.Layout]:
-        """The packed sampling tensors of a step of `size` padding tokens (every row greedy)."""
-        tensors = SamplingTensors.build_host([], [], vocab_size=self.vocab_size,
-                                             batch_size=step.request_bucket(size, self.max_num_seqs),
-                                             num_penalty_rows=self.num_slots)
-        return step.pack(tensors._asdict())
-
-    def compile(self, sizes: list[int], threads: int | None = None) -> None:
-        """Compile the forwards of the token buckets `sizes` not compiled yet and the greedy and top-k samplers of
-        their request counts, `threads` at a time, logging each bucket as it is done."""
-        todo = [size for size in sizes if size not in self._forwards]
-        threads = threads or COMPILE_THREADS
-        start = time.perf_counter()
-
-        def compile_one(size: int) -> None:
-            began = time.perf_counter()
-            inputs_layout = self.step_inputs_for(size)[1]
-            self._forwards[size] = self._compile_forward(inputs_layout)
-            self._stager(inputs_layout.size)
-            layout = self._padding_sampling(size)[1]
-            for path in (0, 1):
-                if (layout, path, 0, False) not in self._samplers:
-                    self._compile_sampler(layout, path)
-            if self.num_speculative_tokens and size not in self._drafters:
-                self._compile_speculation(size)
-            if size in self.decode_buckets and size not in self._decoders:
-                try:
-                    self._compile_decoder(size)
-                except Exception:  # serving goes on one decode step a program
-                    log.exception("the %d-step decode program of %d tokens failed to compile; decode steps run one "
-                                  "a program", self.decode_steps, size)
-                    self.decode_steps_max_rows = 0
-            if self._ready is not None:
-                self._to_run.append(size)
-            log.info("compiled the step of %d tokens in %.1fs (%d of %d, %.1fs in all)", size,
-                     time.perf_counter() - began, sum(s in self._forwards for s in todo), len(todo),
-                     time.perf_counter() - start)
-
-        if todo:
-            with ThreadPoolExecutor(max(1, min(len(todo), threads))) as pool:
-                list(pool.map(compile_one, todo))
 
     def fetch(self, out: SampleOutput) -> SampleOutput:
         """A step's sampled tokens and logprobs on the host: the one place the engine waits for the device."""
@@ -593,70 +453,3 @@ class ModelRunner:
         host = kind(*values)
         self.device_wait_seconds += time.perf_counter() - waited
         return host
-
-    def step_inputs_for(self, size: int) -> tuple[np.ndarray, step.Layout]:
-        """The packed inputs of a step of `size` padding tokens (no request: every write goes to the sinks)."""
-        requests = step.request_bucket(size, self.max_num_seqs)
-        batch = ragged([], [], [], [], size, requests, self.table_width)
-        return step.pack_inputs(np.zeros(size, np.int32), batch, following=self._following([], requests))
-
-    def warmup(self, first: list[int], max_pairs: int, background: list[int] = ()) -> None:
-        """Compile the steps of the token buckets `first` (several at once), run each once on padding (run_padding),
-        and the snapshot copies of up to `max_pairs` pairs; then compile the buckets `background` on a thread of
-        their own while the engine serves with those compiled and run so far (each runs once in run_compiled,
-        when the engine is idle). Through the executor, so other hosts compile and run them too."""
-        self.executor([("compile", list(first))])
-        for size in first:
-            self.run_padding(size)
-        if self.has_snapshots:
-            for n in sorted({bucket(k) for k in range(1, max_pairs + 1)}):
-                self.executor([("restore", *self._pairs([(0, 0)] * n)), ("save", *self._pairs([(0, 0)] * n))])
-        jax.block_until_ready(self.cache)
-        rest = [size for size in background if size not in self._forwards]
-        if rest:
-            self._ready = sorted(self._forwards)
-            self._compile_start = time.perf_counter()
-            self._compiling = threading.Thread(target=self._compile_rest, args=(rest,), daemon=True,
-                                               name="qwen-jax-compile")
-            self._compiling.start()
-
-    def run_padding(self, size: int) -> None:
-        """Run the compiled programs of token bucket `size` once on padding only (no request: every write goes to
-        the sinks, KV block 0, state slot 0) and wait for them. Overwrites last_tokens: only while no sequence
-        runs."""
-        buffer, layout = self.step_inputs_for(size)
-        sampling, sampling_layout = self._padding_sampling(size)
-        for path in (0, 1):
-            jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, path, 0, False,
-                                                  bool(self.num_speculative_tokens), False)]))
-        if size in self._decoders:
-            jax.block_until_ready(self.executor([("decode_steps", buffer, layout, sampling, sampling_layout, 0, 0,
-                                                  self.decode_steps, False)]))
-        # a model that speculates: its verify programs, and each kind of step caught up on one (padding: no row is
-        # behind, so nothing moves)
-        for k, rounds in self._verify_variants(size) if self.num_speculative_tokens else ():
-            jax.block_until_ready(self.executor([("verify", *self.verify_inputs_for(size), sampling, sampling_layout,
-                                                  0, 0, k, rounds, True)]))
-        if self.num_speculative_tokens:
-            jax.block_until_ready(self.executor([("step", buffer, layout, sampling, sampling_layout, 0, 0, False,
-                                                  True, True)]))
-
-    def run_compiled(self) -> bool:
-        """Give one bucket compiled in the background its first run (run_padding), then let steps use it; the
-        engine calls this only while no sequence runs. Whether one ran."""
-        if self._ready is None:
-            return False
-        ran = bool(self._to_run)
-        if ran:
-            size = self._to_run.pop(0)
-            self.run_padding(size)
-            self._ready = sorted({*self._ready, size})
-        if not self._to_run and not self._compiling.is_alive():
-            self._ready = None
-            log.info("every step bucket is compiled and has run once (%.1fs after the warm-up)",
-                     time.perf_counter() - self._compile_start)
-        return ran
-
-    def _compile_rest(self, sizes: list[int]) -> None:
-        self.compile(sizes, threads=BACKGROUND_COMPILE_THREADS)
-        log.info("the background compile is done (%.1fs)", time.perf_counter() - self._compile_start)

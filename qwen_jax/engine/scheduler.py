@@ -58,9 +58,9 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
         self.speculation = speculation
-        # the most verify rounds one program runs for (rows, drafts a row), 0 while none is compiled; the runner
-        # sets what it has compiled
-        self.verify_rounds: Callable[[int, int], int] = lambda rows, drafts: 1
+        # the most verify rounds one program runs for (rows, drafts a row), 0 where those rows do not verify; the
+        # runner sets what it has compiled
+        self.verify_rounds: Callable[[list[Row], int], int] = lambda rows, drafts: 1
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since the start, for the metrics
@@ -210,7 +210,7 @@ class Scheduler:
         k = self.speculation.drafts_for(len(rows))
         if not k or len(rows) * (1 + k) > self.max_num_batched_tokens:
             return False
-        most = self.verify_rounds(len(rows), k)  # 0: its program is still compiling
+        most = self.verify_rounds(rows, k)  # 0: these rows' sampling has no verify program
         if not most:
             return False
         for rounds in sorted({1 if self.waiting else most, 1}, reverse=True):

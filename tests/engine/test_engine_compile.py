@@ -4,10 +4,18 @@ lengths and parameters, prefix-cache hits included) reuses the compiled step, sn
 Counts the entries of the jitted functions' compile caches.
 """
 
+import math
+
+import jax
 import numpy as np
+import pytest
+from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
 from qwen_jax import LLM, SamplingParams
+from qwen_jax.config import load_config
 from qwen_jax.engine import step
+from qwen_jax.engine.replica import VERIFY_STATES_SHARE
+from qwen_jax.models.decoder import cache_shapes
 
 
 def workload(kit, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -67,33 +75,78 @@ def test_full_warmup_leaves_nothing_to_compile(llama_dir, kit):
     assert (after["forward"], after["stage"]) == (warm["forward"], warm["stage"]) == (len(buckets), len(buckets))
 
 
-def test_background_buckets_serve_only_after_their_first_run(llama_dir, kit):
-    """A server's warm-up compiles most buckets in the background. A program's first run costs the host far more
-    than later ones (on a GPU: loading it, recording its graphs), so a bucket serves steps only once it has run on
-    padding, which the engine does while idle (run_compiled); until then steps take buckets that have run. Outputs
-    are those of a fully warmed engine."""
-    prompts = [kit.prompt(n, seed=800 + n, vocab=kit.LLAMA_VOCAB) for n in (5, 40, 17, 60)]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    reference = [o.token_ids for o in LLM(llama_dir, **kit.ENGINE_ARGS).generate(prompts, params)]
+class CompileCounter:
+    """Counts XLA compiles (JAX's backend-compile events) while it is on."""
 
-    llm = LLM(llama_dir, **kit.ENGINE_ARGS)
-    core, runner = llm.engine, llm.engine.replicas[0].runner
-    core.warmup(full=True, background=True)
-    runner._compiling.join()
-    has_run = list(runner._ready)
-    waiting = list(runner._to_run)
-    assert waiting and set(waiting).isdisjoint(has_run)
-    used, ran = [], []
-    forward, run_padding = runner._forward, runner.run_padding
-    runner._forward = lambda layout: (used.append(step.layout_shape(layout, "tokens")[0]), forward(layout))[1]
-    runner.run_padding = lambda size: (ran.append(size), run_padding(size))[1]
+    def __init__(self):
+        self.count, self.on = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._event)
 
-    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
-    assert used and set(used) <= set(has_run)  # nothing waiting for its first run served a step
-    while core.run_compiled():
-        pass
-    assert sorted(ran) == sorted(waiting) and runner._ready is None and not runner._to_run
-    used.clear()
-    assert [o.token_ids for o in llm.generate(prompts, params)] == reference
-    assert set(used) - set(has_run)  # now the best-fitting buckets serve
+    def _event(self, name: str, seconds: float, **kwargs) -> None:
+        if self.on and name == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+
+def varied_workload(kit, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of many lengths (prefill chunks, decode rows, batches of 1 to max_num_seqs) under every sampler path
+    the engine compiles ahead: greedy, temperature, top-k (lax.top_k), top-p and min-p (the full sort), seeds, top
+    logprobs, repetition / presence / frequency penalties."""
+    lengths = (3, 40, 17, 52, 9, 33, 1, 25)
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=5, seed=seed),
+             dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, logprobs=3), dict(temperature=0.5, min_p=0.1),
+             dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5), dict(temperature=0.0)]
+    prompts = [kit.prompt(n, seed=seed + n) for n in lengths]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, **kind) for kind in kinds]
+    return prompts, params
+
+
+@pytest.mark.parametrize("speculative_config", [None, "off"])
+def test_after_a_full_warm_up_a_varied_workload_compiles_nothing(hybrid_mtp_dir, kit, speculative_config):
+    """Ready means full speed: once warmup(full=True) has run, serving never compiles, whatever the batch (sizes 1
+    to max_num_seqs, prefill chunks beside decode rows, several decode steps a program, verify steps) and whatever
+    its sampling. The runner is told it is on an accelerator, where only the common samplers go into the several-step
+    and verify programs (others run single plain steps)."""
+    counter = CompileCounter()
+    llm = LLM(hybrid_mtp_dir, speculative_config=speculative_config, num_scheduler_steps=4, **kit.ENGINE_ARGS)
+    runner = llm.engine.replicas[0].runner
+    runner.on_accelerator = True
+    runner.decode_steps_max_rows = 2  # several decode steps a program for batches of 1 and 2 rows
+    counter.on = True
+    llm.engine.warmup(full=True)
+    assert counter.count > 0  # the counter sees the warm-up's compiles
+    counter.count = 0
+    for seed in (900, 950):
+        prompts, params = varied_workload(kit, seed)
+        outs = llm.generate(prompts, params)
+        assert [len(o.token_ids) for o in outs] == [6] * len(prompts)
+        one = llm.generate(prompts[:1], params[:1])  # a batch of one: several decode steps a program
+        assert len(one[0].token_ids) == 6
+        pair = llm.generate(prompts[:2], [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 2)
+        assert [len(o.token_ids) for o in pair] == [12, 12]
+    assert counter.count == 0
+    if speculative_config is None:
+        assert llm.engine.stats()["spec_verified_rows_total"] > 0  # verify steps ran, compiled ahead
     kit.assert_idle(llm)
+
+
+def test_the_memory_plan_refuses_at_start_what_cannot_fit(hybrid_mtp_dir, kit, monkeypatch):
+    """A fixed num_speculative_tokens whose one-request verify step keeps more recurrent states than the memory held
+    back from the caches may take fails when the engine starts, naming what to lower; so does a warm-up whose
+    programs' working memory (as XLA reports it) does not fit what is held back. Never an out-of-memory while
+    serving."""
+    per_slot = sum(math.prod(s.shape) * s.dtype.itemsize
+                   for s in jax.tree.leaves(cache_shapes(load_config(hybrid_mtp_dir), 0, kit.BLOCK, 1)))
+    limit = 2**30
+    monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda self: {"bytes_limit": limit, "bytes_in_use": 0})
+    util = 1.05 - 2.5 * per_slot / (VERIFY_STATES_SHARE * limit)  # room for the states of 2 verify tokens
+    args = dict(kit.ENGINE_ARGS, gpu_memory_utilization=util)
+    with pytest.raises(ValueError, match="lower num_speculative_tokens or --gpu-memory-utilization"):
+        LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **args)
+    llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **args)
+    monkeypatch.undo()
+    replica = llm.engine.replicas[0]
+    assert replica.max_verify_tokens == 2 and replica.held_back == pytest.approx(limit * (1.05 - util))
+    replica.held_back = 1024.0  # less than the programs' working memory
+    with pytest.raises(ValueError, match="working memory .* lower --max-num-batched-tokens"):
+        llm.engine.warmup(full=False)
+    assert not replica.runner.compiler.working_bytes.keys() - {*replica.runner.compiler.working_bytes}

@@ -12,6 +12,7 @@ import pytest
 from qwen_jax import LLM, SamplingParams
 from qwen_jax.config import load_config
 from qwen_jax.engine import step
+from qwen_jax.engine.replica import VERIFY_STATES_SHARE
 from qwen_jax.engine.speculative import MAX_DRAFTS, speculation
 from qwen_jax.models.decoder import cache_shapes
 
@@ -141,7 +142,8 @@ def test_verify_steps_fit_the_memory_held_back_from_the_caches(plain, hybrid_mtp
                    for s in jax.tree.leaves(cache_shapes(load_config(hybrid_mtp_dir), 0, kit.BLOCK, 1)))
     limit = 2**30
     monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda self: {"bytes_limit": limit, "bytes_in_use": 0})
-    util = 1.05 - 6.5 * per_slot / (0.9 * limit)  # held back: limit * (1.05 - util), 90% of it for 6.5 tokens
+    # held back: limit * (1.05 - util), VERIFY_STATES_SHARE of it for 6.5 tokens
+    util = 1.05 - 6.5 * per_slot / (VERIFY_STATES_SHARE * limit)
     llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
               **dict(kit.ENGINE_ARGS, gpu_memory_utilization=util))
     monkeypatch.undo()
@@ -227,19 +229,20 @@ def test_speculation_off_and_models_without_a_head_run_plain(hybrid_dir, kit):
     assert speculation('{"method": "mtp"}') == (MAX_DRAFTS, False)
 
 
-def test_no_step_verifies_while_its_program_is_still_compiling(plain, hybrid_mtp_dir, kit):
-    """While buckets compile in the background, steps use the compiled ones (`_ready`); a verify step whose program
-    is not among them would compile on a request's path, so such steps run plain until it is."""
+def test_on_an_accelerator_only_rows_with_a_compiled_verify_program_verify(plain, hybrid_mtp_dir, kit):
+    """On an accelerator the verify programs are compiled ahead for greedy and temperature-only sampling without
+    logprobs; rows that sample otherwise (top-k / top-p, logprobs) decode plainly rather than compile a verify
+    program on a request's path, with plain decoding's tokens."""
     llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **kit.ENGINE_ARGS)
-    runner = llm.engine.replicas[0].runner
-    runner._ready = [runner.token_buckets[0], runner.token_buckets[-1]]  # as mid-way through a background compile
-    assert runner.verify_rounds(1, 1) == 0
-    prompt, params = kit.prompt(14, seed=1050), greedy(8, ignore_eos=True)
-    expected = plain.generate([prompt], params)[0].token_ids
-    assert llm.generate([prompt], params)[0].token_ids == expected
-    assert llm.engine.stats()["spec_verified_rows_total"] == 0
-    runner._ready = None  # every bucket compiled
-    assert llm.generate([prompt], params)[0].token_ids == expected
+    llm.engine.replicas[0].runner.on_accelerator = True
+    prompt = kit.prompt(14, seed=1050)
+    for params in (SamplingParams(max_tokens=8, temperature=0.8, top_k=4, seed=3, ignore_eos=True),
+                   greedy(8, ignore_eos=True, logprobs=2)):
+        expected = plain.generate([prompt], params)[0].token_ids
+        assert llm.generate([prompt], params)[0].token_ids == expected
+        assert llm.engine.stats()["spec_verified_rows_total"] == 0
+    assert llm.generate([prompt], greedy(8, ignore_eos=True))[0].token_ids == plain.generate(
+        [prompt], greedy(8, ignore_eos=True))[0].token_ids
     assert llm.engine.stats()["spec_verified_rows_total"] > 0
 
 
