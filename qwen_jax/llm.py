@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import os
 from collections.abc import AsyncIterator, Sequence
 
 import jax
@@ -168,7 +169,10 @@ class AsyncLLM:
         if dp == 1 or settings(self.engine_args.get("num_hosts"))[0] > 1:
             return [(self.engine_args, {})]
         envs = replica_environments(dp, self.engine_args.get("tensor_parallel_size"))
-        return [({**self.engine_args, "data_parallel_rank": i}, env) for i, env in enumerate(envs)]
+        # each core compiles on its share of the host's cores
+        threads = os.environ.get("QWEN_JAX_COMPILE_THREADS") or str(max(2, (os.cpu_count() or 2) // dp))
+        return [({**self.engine_args, "data_parallel_rank": i}, {**env, "QWEN_JAX_COMPILE_THREADS": threads})
+                for i, env in enumerate(envs)]
 
     async def start(self) -> None:
         """Start the core process(es) (load, compile) and wait until every one serves."""

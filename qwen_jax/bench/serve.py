@@ -335,7 +335,7 @@ async def run_benchmark(base_url: str, model: str, tokenizer: Any, concurrency: 
                         spot_check_tokens: int = 64, progress: bool = True,
                         roofline: Callable[[int, float], float] | None = None, waves: int | None = None,
                         previous_levels: Sequence[dict] = (), levels_out: str | None = None,
-                        temperature: float = 1.0) -> dict:
+                        temperature: float = 1.0, warmup_requests: int = WARMUP_REQUESTS) -> dict:
     """Every level in turn; returns {"levels": [...], "weighted_score": ...}. Prompts of each level are new unless
     `reuse_prompts`; every request samples at `temperature` (0: greedy); `roofline(concurrency, tpot_s)` (optional)
     gives the measured/roofline ratio of a level. `previous_levels` (from an earlier `levels_out` of the same setup,
@@ -345,8 +345,8 @@ async def run_benchmark(base_url: str, model: str, tokenizer: Any, concurrency: 
     for i, c in enumerate(concurrency):
         n = num_requests or default_num_requests(c, waves)
         level_seed = seed if reuse_prompts else seed + 1000 * (i + 1)
-        prompts = build_prompts(tokenizer, input_len, n + WARMUP_REQUESTS, level_seed)
-        level = await run_level(base_url, model, tokenizer, c, prompts[WARMUP_REQUESTS:], prompts[:WARMUP_REQUESTS],
+        prompts = build_prompts(tokenizer, input_len, n + warmup_requests, level_seed)
+        level = await run_level(base_url, model, tokenizer, c, prompts[warmup_requests:], prompts[:warmup_requests],
                                 input_len, output_len, seed + i, timeout_s, spot_check_tokens, progress, temperature)
         if roofline is not None and level["tpot_ms_p50"] is not None:
             level["roofline_ratio"] = roofline(c, level["tpot_ms_p50"] / 1e3)
@@ -384,6 +384,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="per level (default max(8, 4 x concurrency))")
     p.add_argument("--waves", type=int, default=None,
                    help="instead of --num-requests: that many waves of `concurrency` requests per level (at least 2)")
+    p.add_argument("--warmup-requests", type=int, default=WARMUP_REQUESTS,
+                   help="untimed requests that open each level (0: none, as a judge's client runs it)")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--reuse-prompts", action="store_true", help="the same prompts at every level")
@@ -427,7 +429,8 @@ async def main_async(argv: Sequence[str] | None = None) -> dict:
     run = await run_benchmark(
         args.base_url, args.model, tokenizer, [int(c) for c in args.concurrency.split(",")], args.num_requests,
         args.input_len, args.output_len, args.reuse_prompts, args.seed, args.timeout, args.spot_check_tokens,
-        not args.no_progress, roofline, args.waves, previous, args.levels_out, args.temperature)
+        not args.no_progress, roofline, args.waves, previous, args.levels_out, args.temperature,
+        args.warmup_requests)
     print(format_table(run["levels"]))
     print(f"weighted score (sum of weight x total tok/s): {run['weighted_score']:.1f}")
     for lv in run["levels"]:

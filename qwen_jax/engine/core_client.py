@@ -141,6 +141,7 @@ class CoreProcess:
         self._pull = self._context.socket(zmq.PULL)
         self._pull.bind(outputs)
         self._on_message = on_message
+        self.env = env or {}
         self._closing = False
         self._lock = threading.Lock()  # sends come from the event loop and from the reader thread
         import jax
@@ -148,7 +149,7 @@ class CoreProcess:
         jax_config = {name: getattr(jax.config, name) for name in INHERITED_CONFIG}
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(target=run_core,
-                                     args=(model_path, engine_args, warmup, inputs, outputs, jax_config, env or {},
+                                     args=(model_path, engine_args, warmup, inputs, outputs, jax_config, self.env,
                                            part),
                                      name="qwen-jax-core", daemon=True)
         self.process.start()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The judge's procedure, as one script: start the server cold through ./start.sh, then at once the throughput sweep
+# c = 1, 2, 4, 8, 16, 32, 64 (64 requests a level, 1,024-token prompts, 300-token outputs, temperature 1, no warm-up
+# requests), scored as the sum of weight x total tok/s (weights 1, 1, 2, 2, 4, 4, 8; qwen_jax.bench.serve). Prints
+# launch-to-ready seconds and the score; RESTART=1 then stops and starts the server again on the compile cache it
+# filled and prints that restart's ready time. Everything lands under $OUT (RESULTS.json entry, logs).
+#
+#   MODEL=<config or checkpoint dir> [LOAD_FORMAT=dummy] [PORT=8000] [DEVICE=4xH200] [LABEL=...] [CACHE=/tmp/cc]
+#   [LEVELS=1,2,4,8,16,32,64] [REQUESTS=64] [OUTLEN=300] [RESTART=1] bash scripts/judge_sweep.sh [server flags]
+# e.g. `bash scripts/judge_sweep.sh --layout DP=2,TP=2`; with no layout flag the server takes --layout auto.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+MODEL="${MODEL:?MODEL: a model (or config) directory}"
+PORT="${PORT:-8000}"
+TAG="${TAG:-judge_$PORT}"
+CACHE="${CACHE:-/tmp/qwen_jax_cc}"
+export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0 QWEN_JAX_START_TIMEOUT="${QWEN_JAX_START_TIMEOUT:-590}"
+export QWEN_JAX_LOG="$OUT/$TAG.log" QWEN_JAX_PID_FILE="$OUT/$TAG.pid"
+ARGS=(--model "$MODEL" --load-format "${LOAD_FORMAT:-dummy}" --port "$PORT" --compilation-cache-dir "$CACHE"
+      --disable-access-log "$@")
+now() { date +%s.%N; }
+since() { python3 -c "import sys; print(round($(now) - float(sys.argv[1]), 1))" "$1"; }
+
+t0=$(now)
+./start.sh "${ARGS[@]}" > "$OUT/${TAG}_start.txt" 2>&1 || { echo "start failed"; tail -30 "$QWEN_JAX_LOG"; exit 1; }
+echo "$TAG ready_s $(since "$t0") (cold: the compile cache had $(ls "$CACHE" 2>/dev/null | wc -l) entries)"
+python3 -m qwen_jax.bench.serve --base-url "http://127.0.0.1:$PORT" --model m --tokenizer "$MODEL" \
+  --concurrency "${LEVELS:-1,2,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --warmup-requests 0 \
+  --input-len 1024 --output-len "${OUTLEN:-300}" --temperature 1 --results "$OUT/RESULTS.json" \
+  --device "${DEVICE:-H200}" --layout "${LAYOUT_LABEL:-auto}" --weights random --no-progress \
+  --label "judge procedure: cold start then c=1..64; ${LABEL:-} flags: $*" > "$OUT/${TAG}_serve.txt" 2>&1
+grep -A12 "^ conc" "$OUT/${TAG}_serve.txt" | grep -v "^$" ; grep "weighted score" "$OUT/${TAG}_serve.txt" \
+  || tail -20 "$OUT/${TAG}_serve.txt"
+grep -c "compiled " "$QWEN_JAX_LOG" | sed "s/^/$TAG programs compiled: /"
+grep "compiled .* programs in\|working memory\|layout:\|loaded " "$QWEN_JAX_LOG" | cut -c1-220
+./start.sh --stop > /dev/null
+if [[ "${RESTART:-0}" == 1 ]]; then
+  t0=$(now)
+  ./start.sh "${ARGS[@]}" > "$OUT/${TAG}_restart.txt" 2>&1 || { echo "restart failed"; tail -30 "$QWEN_JAX_LOG"; }
+  echo "$TAG warm_restart_ready_s $(since "$t0")"
+  ./start.sh --stop > /dev/null
+fi
