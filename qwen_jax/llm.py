@@ -130,7 +130,7 @@ class AsyncLLM:
         self._owner: dict[str, int] = {}  # request -> the core it runs on
         self._load: list[int] = []  # requests running on each core
         self._stats: list[dict] = []  # each core's counters as of its last message
-        self._started: list[asyncio.Future] = []  # each core's "compiled", then its "ready"
+        self._started: list[asyncio.Future] = []  # each core's "ready"
         self._on_dead = None
 
     @classmethod
@@ -186,11 +186,6 @@ class AsyncLLM:
             self._cores.append(CoreProcess(self.model_path, args, self.warmup, functools.partial(self._on_message, i),
                                            env=env, part=(i, n) if n > 1 else None))
         try:
-            if n > 1:  # each core compiles its share, then all compile the rest from the cache and run (core_client)
-                await asyncio.gather(*self._started)
-                self._started = [self._loop.create_future() for _ in range(n)]
-                for core in self._cores:
-                    core.send(("warm",))
             await asyncio.gather(*self._started)
         except EngineDead as exc:
             await asyncio.gather(*(asyncio.to_thread(core.close) for core in self._cores))
@@ -208,15 +203,13 @@ class AsyncLLM:
             _, outputs, stats = message
             results, ended = self.output.process(outputs)
             self._loop.call_soon_threadsafe(self._deliver, core, results, ended, stats)
-        elif kind in ("compiled", "ready"):
-            info = message[1] if kind == "ready" else {}
-            self._loop.call_soon_threadsafe(self._core_started, core, info)
+        elif kind == "ready":
+            self._loop.call_soon_threadsafe(self._core_started, core, message[1])
         elif kind == "failed":
             self._loop.call_soon_threadsafe(self._fail, message[1])
 
     def _core_started(self, core: int, info: dict) -> None:
-        if "stats" in info:
-            self._stats[core] = info["stats"]
+        self._stats[core] = info["stats"]
         if not self._started[core].done():
             self._started[core].set_result(None)
 

@@ -147,12 +147,18 @@ def _trimmed(spec: P) -> P:
     return P(*entries)
 
 
-def init_cache(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> dict:
+def init_cache(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int,
+               abstract: bool = False) -> dict:
     """Zeroed cache made directly in its shards (num_blocks and num_slots count all replicas together).
-    Specs without trailing Nones, as compiled programs return them: a donated cache keeps one jit signature."""
+    Specs without trailing Nones, as compiled programs return them: a donated cache keeps one jit signature.
+    `abstract`: its shapes, dtypes and shardings only (jax.ShapeDtypeStruct), nothing allocated."""
     shardings = jax.tree.map(lambda sh: NamedSharding(mesh, _trimmed(sh.spec)),
                              cache_shardings(cfg, mesh, num_blocks, block_size, num_slots))
-    return jax.jit(lambda: decoder.init_cache(cfg, num_blocks, block_size, num_slots), out_shardings=shardings)()
+    make = jax.jit(lambda: decoder.init_cache(cfg, num_blocks, block_size, num_slots), out_shardings=shardings)
+    if abstract:
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), jax.eval_shape(make),
+                            shardings)
+    return make()
 
 
 def _constrained(cfg: ModelConfig, mesh: Mesh, path: tuple, value: jax.Array) -> jax.Array:

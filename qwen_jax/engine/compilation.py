@@ -8,18 +8,25 @@ up. Once `warm_up(full=True)` has returned, serving compiles nothing (tests/engi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import logging
 import os
-import threading
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from qwen_jax.engine import step
+from qwen_jax.engine.core_client import INHERITED_CONFIG
 from qwen_jax.engine.sampler import SamplingTensors
 from qwen_jax.layers.batch import ragged
 
@@ -28,14 +35,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qwen_jax")
 
-# Programs compiled at once. XLA's compiler releases the GIL, so threads scale with the host's cores; an engine core
-# of several on one host (data-parallel replicas as processes) gets its share from the front
+# Programs compiled at once: in compile worker processes on an accelerator (one a core: each lowers a program under
+# its own GIL; H200 host, 35B-A3B: a forward lowers in ~5 s and compiles in 6-10 s), in threads elsewhere. An engine
+# core of several on one host (data-parallel replicas as processes) gets its share of the cores from the front
 # ($QWEN_JAX_COMPILE_THREADS).
 COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "0")) or max(2, (os.cpu_count() or 2))
+# $QWEN_JAX_COMPILE_WORKERS: compile workers on any backend (0: threads)
+_WORKERS = os.environ.get("QWEN_JAX_COMPILE_WORKERS")
+COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, COMPILE_THREADS - 1)
 # Sampler variants compiled ahead for every request count: the top-k / top-p path (sampler.cut_path), top logprobs
 # (none or the API maximum) and penalties. Batches with logit_bias, min_tokens bans or grammar masks have layouts of
 # their own, jitted on first use.
 SAMPLER_PATHS = (0, 1, 2)
+# How long a core whose own compile workers are done waits for the other cores' share of the programs before it
+# compiles what is still missing itself.
+OTHERS_GRACE_S = 60.0
 # Share of the memory held back from the caches that the two largest programs' working memory may take together
 # (the allocator keeps one program's peak while the other runs); the rest is for the compiled programs themselves.
 WORKING_MEMORY_SHARE = 0.9
@@ -43,11 +57,78 @@ WORKING_MEMORY_SHARE = 0.9
 
 @dataclasses.dataclass
 class Job:
-    """One program to compile: `build` stores it in the runner. Jobs of a group run once together (`run`)."""
+    """One program to compile: `lower()` gives it lowered, `store(compiled)` puts it where the runner looks it up.
+    Jobs of a group run once together (`run_padding`)."""
 
     name: str
     group: tuple
-    build: Callable[[], object]
+    lower: Callable[[], jax.stages.Lowered]
+    store: Callable[[jax.stages.Compiled], None]
+
+    @property
+    def file_name(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.=,-]", "_", self.name) + ".bin"
+
+
+def working_bytes(compiled: jax.stages.Compiled) -> int | None:
+    """A compiled program's working memory (XLA's temp buffers), None when XLA does not say."""
+    analysis = compiled.memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of this engine's source (qwen_jax, sharding, pallas_kernels): stored programs of other code are
+    never loaded."""
+    digest = hashlib.sha256()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for package in ("qwen_jax", "sharding", "pallas_kernels"):
+        for folder, _, files in sorted(os.walk(os.path.join(root, package))):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                with open(os.path.join(folder, name), "rb") as f:
+                    digest.update(name.encode() + f.read())
+    return digest.hexdigest()
+
+
+def compile_worker(task_path: str) -> None:
+    """A compile worker process (`python -c`, started by Compiler._from_workers): read its task (the runner spec of
+    Compiler.worker_spec, the programs' names, the store, JAX's settings) from `task_path`, build the runner's
+    abstract twin on this process's devices (the core's, inherited), then lower and compile each program, stored
+    serialized in the store as soon as it is done (written whole, then renamed: a reader never sees half a file)."""
+    with open(task_path, "rb") as f:
+        spec, names, store, jax_config = pickle.load(f)
+    logging.basicConfig(level=os.environ.get("QWEN_JAX_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s[compile]: %(message)s")
+    for name, value in jax_config.items():
+        jax.config.update(name, value)
+    from jax.experimental import serialize_executable
+
+    from qwen_jax.engine.runner import ModelRunner
+    from qwen_jax.models.decoder import param_shapes
+    from sharding import rules
+    from sharding.mesh import make_mesh
+
+    cfg = spec["cfg"]
+    mesh = make_mesh(spec["tensor_parallel_size"], 1, spec["enable_expert_parallel"])
+    params = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+                          param_shapes(cfg), rules.param_shardings(cfg, mesh))
+    runner = ModelRunner(cfg, params, mesh=mesh, **spec["runner"])
+    jobs = {job.name: job for job in runner.compiler.jobs(spec["sizes"])}
+    for name in names:
+        job = jobs[name]
+        began = time.perf_counter()
+        try:
+            compiled = job.lower().compile()
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            stored = dict(payload=payload, in_tree=in_tree, out_tree=out_tree, working_bytes=working_bytes(compiled),
+                          seconds=time.perf_counter() - began)
+        except Exception as exc:  # the core reports it (a program it cannot serve without)
+            log.exception("compiling %s failed", name)
+            stored = dict(error=f"{type(exc).__name__}: {exc}")
+        path = os.path.join(store, job.file_name)
+        with open(path + f".{os.getpid()}.tmp", "wb") as f:
+            pickle.dump(stored, f)
+        os.replace(path + f".{os.getpid()}.tmp", path)
 
 
 class Compiler:
@@ -56,9 +137,9 @@ class Compiler:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.working_bytes: dict[str, int] = {}  # program name -> its working (temp) memory, from XLA
+        self.working_group: dict[str, tuple] = {}  # program name -> its job's group
         self.held_back: float | None = None  # device memory left beside the caches (None: not known)
         self.memory_checked = False
-        self._lock = threading.Lock()
 
     # ---- abstract inputs ---------------------------------------------------------------------------------------
     def packed(self, size: int) -> jax.ShapeDtypeStruct:
@@ -117,6 +198,19 @@ class Compiler:
         request count its samplers. Largest buckets first: they take longest to compile."""
         r = self.runner
         jobs = []
+        for size in sorted(sizes, reverse=True):
+            group = ("bucket", size)
+            if size not in r.forwards:
+                jobs.append(Job(f"forward[{size}]", group, *self._forward(size)))
+            if size in r.decode_buckets and size not in r.decoders:
+                jobs.append(Job(f"decode_steps[{size} x {r.decode_steps}]", group, *self._decoder(size)))
+            if r.num_speculative_tokens:
+                if size not in r.drafters:
+                    jobs.append(Job(f"draft[{size}]", group, *self._drafter(size)))
+                for k, rounds in self.verify_variants(size):
+                    if (size, k, rounds) not in r.verifiers:
+                        jobs.append(Job(f"verify[{size}, k={k}, rounds={rounds}]", group,
+                                        *self._verifier(size, k, rounds)))
         for requests in sorted({self.requests(size) for size in sizes}):
             layout = self.padding_sampling(requests)[1]
             for path in SAMPLER_PATHS:
@@ -124,38 +218,28 @@ class Compiler:
                     for penalties in (False, True):
                         if (layout, path, top, penalties) not in r.samplers:
                             jobs.append(Job(f"sampler[{requests} rows, path {path}, top {top}, penalties {penalties}]",
-                                            ("sampler", requests),
-                                            lambda a=(layout, path, top, penalties): self._sampler(*a)))
-        for size in sorted(sizes, reverse=True):
-            group = ("bucket", size)
-            if size not in r.forwards:
-                jobs.append(Job(f"forward[{size}]", group, lambda s=size: self.forward(s)))
-            if size in r.decode_buckets and size not in r.decoders:
-                jobs.append(Job(f"decode_steps[{size} x {r.decode_steps}]", group, lambda s=size: self._decoder(s)))
-            if r.num_speculative_tokens:
-                if size not in r.drafters:
-                    jobs.append(Job(f"draft[{size}]", group, lambda s=size: self._drafter(s)))
-                for k, rounds in self.verify_variants(size):
-                    if (size, k, rounds) not in r.verifiers:
-                        jobs.append(Job(f"verify[{size}, k={k}, rounds={rounds}]", group,
-                                        lambda a=(size, k, rounds): self._verifier(*a)))
+                                            ("sampler", requests), *self._sampler(layout, path, top, penalties)))
         return jobs
 
-    def _record(self, name: str, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
-        analysis = compiled.memory_analysis()
-        if analysis is not None:
-            with self._lock:
-                self.working_bytes[name] = int(analysis.temp_size_in_bytes)
-        return compiled
-
-    def forward(self, size: int) -> None:
+    # Each program: (lower, store): `lower()` gives its jax.stages.Lowered (run where it compiles: a thread or a
+    # compile worker), `store(compiled)` puts the compiled program where the runner looks it up (in this process).
+    def _forward(self, size: int) -> tuple[Callable, Callable]:
         r = self.runner
         layout = self.step_inputs(size)[1]
-        r.forwards[size] = self._record(f"forward[{size}]", step.forward.lower(
+
+        def store(compiled):
+            r.forwards[size] = compiled
+            self.stager(layout.size)
+
+        return lambda: step.forward.lower(
             self.abstract(r.params), self.abstract(r.cache), self.abstract(r.last_tokens), self.packed(layout.size),
             layout=layout, cfg=r.cfg, mesh=r.mesh, kernels=r.kernels,
-            with_hidden=bool(r.num_speculative_tokens)).compile())
-        self.stager(layout.size)
+            with_hidden=bool(r.num_speculative_tokens)), store
+
+    def forward(self, size: int) -> None:
+        """Compile the forward of token bucket `size` here and now (a step of a bucket not compiled ahead)."""
+        lower, store = self._forward(size)
+        store(lower().compile())
 
     def stager(self, size: int) -> jax.stages.Compiled:
         """The program that copies packed inputs of `size` into their input buffer."""
@@ -166,58 +250,66 @@ class Compiler:
             program = r.stagers[size] = step.stage_inputs.lower(buffer, buffer).compile()
         return program
 
-    def _sampler(self, layout: step.Layout, path: int, top: int, penalties: bool) -> None:
+    def _sampler(self, layout: step.Layout, path: int, top: int, penalties: bool) -> tuple[Callable, Callable]:
         r = self.runner
         requests = step.layout_shape(layout, "temperature")[0]
-        logits = jax.ShapeDtypeStruct((requests, r.vocab_size), np.float32, sharding=step.replicated(r.mesh))
-        counts = self.abstract(r.penalty_counts) if penalties else None
-        r.samplers[layout, path, top, penalties] = step.sample_step.lower(
-            logits, self.packed(layout.size), self.abstract(r.last_tokens), counts, layout=layout,
-            num_top_logprobs=top, path=path).compile()
 
-    def _decoder(self, size: int) -> None:
+        def lower():
+            logits = jax.ShapeDtypeStruct((requests, r.vocab_size), np.float32, sharding=step.replicated(r.mesh))
+            counts = self.abstract(r.penalty_counts) if penalties else None
+            return step.sample_step.lower(logits, self.packed(layout.size), self.abstract(r.last_tokens), counts,
+                                          layout=layout, num_top_logprobs=top, path=path)
+
+        return lower, lambda compiled: r.samplers.__setitem__((layout, path, top, penalties), compiled)
+
+    def _decoder(self, size: int) -> tuple[Callable, Callable]:
         r = self.runner
         layout = self.step_inputs(size)[1]
         sampling_layout = self.padding_sampling(self.requests(size))[1]
-        try:
-            r.decoders[size] = sampling_layout, self._record(f"decode_steps[{size}]", step.decode_steps.lower(
-                self.abstract(r.params), self.abstract(r.cache), self.abstract(r.last_tokens),
-                self.packed(layout.size), self.packed(sampling_layout.size), layout=layout,
-                sampling_layout=sampling_layout, cfg=r.cfg, mesh=r.mesh, kernels=r.kernels, steps=r.decode_steps,
-                num_top_logprobs=0, path=0).compile())
-        except Exception:  # serving goes on one decode step a program
-            log.exception("the %d-step decode program of %d tokens failed to compile; decode steps run one a program",
-                          r.decode_steps, size)
-            r.decode_steps_max_rows = 0
+        return lambda: step.decode_steps.lower(
+            self.abstract(r.params), self.abstract(r.cache), self.abstract(r.last_tokens),
+            self.packed(layout.size), self.packed(sampling_layout.size), layout=layout,
+            sampling_layout=sampling_layout, cfg=r.cfg, mesh=r.mesh, kernels=r.kernels, steps=r.decode_steps,
+            num_top_logprobs=0, path=0), lambda compiled: r.decoders.__setitem__(size, (sampling_layout, compiled))
 
-    def _drafter(self, size: int) -> None:
-        """The MTP head's program after a plain step of `size` tokens, and the stage_behind program of that step's
-        inputs (any step may follow a verify program still in flight)."""
+    def _drafter(self, size: int) -> tuple[Callable, Callable]:
+        """The MTP head's program after a plain step of `size` tokens; stored with the stage_behind program of that
+        step's inputs (any step may follow a verify program still in flight)."""
         r = self.runner
-        replicated = step.replicated(r.mesh)
         layout = self.step_inputs(size)[1]
-        hidden = jax.ShapeDtypeStruct((size, r.cfg.hidden_size), r.cfg.jnp_dtype, sharding=replicated)
-        tokens = jax.ShapeDtypeStruct((size,), np.int32, sharding=replicated)
-        r.drafters[size] = layout, self._record(f"draft[{size}]", step.draft_step.lower(
-            self.abstract(r.params), self.abstract(r.cache), hidden, tokens, self.abstract(r.last_tokens),
-            self.abstract(r.drafts), self.packed(layout.size), layout=layout, cfg=r.cfg, mesh=r.mesh,
-            kernels=r.kernels, draft_len=r.num_speculative_tokens).compile())
-        self._behind_stager(layout, self.padding_sampling(self.requests(size))[1])
 
-    def _verifier(self, size: int, k: int, rounds: int) -> None:
+        def lower():
+            replicated = step.replicated(r.mesh)
+            hidden = jax.ShapeDtypeStruct((size, r.cfg.hidden_size), r.cfg.jnp_dtype, sharding=replicated)
+            tokens = jax.ShapeDtypeStruct((size,), np.int32, sharding=replicated)
+            return step.draft_step.lower(
+                self.abstract(r.params), self.abstract(r.cache), hidden, tokens, self.abstract(r.last_tokens),
+                self.abstract(r.drafts), self.packed(layout.size), layout=layout, cfg=r.cfg, mesh=r.mesh,
+                kernels=r.kernels, draft_len=r.num_speculative_tokens)
+
+        def store(compiled):
+            r.drafters[size] = layout, compiled
+            self._behind_stager(layout, self.padding_sampling(self.requests(size))[1])
+
+        return lower, store
+
+    def _verifier(self, size: int, k: int, rounds: int) -> tuple[Callable, Callable]:
         """The verify step of `size` tokens, k drafts a row and `rounds` rounds (greedy and temperature-only
-        sampling without logprobs: on an accelerator only such rows speculate), and its stage_behind program."""
+        sampling without logprobs: on an accelerator only such rows speculate); stored with its staging programs."""
         r = self.runner
         layout = self.verify_inputs(size)[1]
         sampling_layout = self.padding_sampling(self.requests(size))[1]
-        r.verifiers[size, k, rounds] = sampling_layout, self._record(
-            f"verify[{size}, k={k}, rounds={rounds}]", step.verify_step.lower(
-                self.abstract(r.params), self.abstract(r.cache), self.abstract(r.last_tokens),
-                self.abstract(r.drafts), self.abstract(r.emitted), self.packed(layout.size),
-                self.packed(sampling_layout.size), layout=layout, sampling_layout=sampling_layout, cfg=r.cfg,
-                mesh=r.mesh, kernels=r.kernels, draft_len=k, rounds=rounds, num_top_logprobs=0, path=0).compile())
-        self.stager(layout.size)
-        self._behind_stager(layout, sampling_layout)
+
+        def store(compiled):
+            r.verifiers[size, k, rounds] = sampling_layout, compiled
+            self.stager(layout.size)
+            self._behind_stager(layout, sampling_layout)
+
+        return lambda: step.verify_step.lower(
+            self.abstract(r.params), self.abstract(r.cache), self.abstract(r.last_tokens),
+            self.abstract(r.drafts), self.abstract(r.emitted), self.packed(layout.size),
+            self.packed(sampling_layout.size), layout=layout, sampling_layout=sampling_layout, cfg=r.cfg,
+            mesh=r.mesh, kernels=r.kernels, draft_len=k, rounds=rounds, num_top_logprobs=0, path=0), store
 
     def _behind_stager(self, layout: step.Layout, sampling_layout: step.Layout) -> None:
         r = self.runner
@@ -228,52 +320,153 @@ class Compiler:
                 sampling_layout=sampling_layout).compile()
 
     # ---- compiling and first runs ------------------------------------------------------------------------------
-    def compile(self, sizes: list[int] | None = None, threads: int | None = None, run: bool = False,
+    def compile(self, sizes: list[int] | None = None, run: bool = False, workers: int | None = None,
                 part: tuple[int, int] = (0, 1)) -> None:
-        """Compile every program of the token buckets `sizes` (default: all) not compiled yet, `threads` at a time,
-        one log line per program. `run`: check the memory plan once the programs that need the most working memory
-        (verify steps, the largest forward) are compiled, then run each bucket's programs once on padding
-        (run_padding, on this thread) as soon as they are compiled, while the others compile. `part` (i, n): only
-        every n-th program from the i-th, for n processes that share a persistent compilation cache and each compile
-        a part first."""
+        """Compile every program of the token buckets `sizes` (default: all) not compiled yet, one log line per
+        program: in `workers` compile processes (default: COMPILE_WORKERS on a GPU, none elsewhere: XLA:CPU
+        programs loaded in another process than the one that compiled them crashed when run), or in COMPILE_THREADS
+        threads of this process. Python's lowering of a program holds the GIL for seconds (its
+        kernels' Triton code is built then), so one process lowers one program at a time however many threads
+        compile; worker processes lower in parallel and hand each program over serialized (`compile_worker`).
+        `part` (i, n): with workers, core i of n that share one store of programs (data-parallel replicas on one
+        host) compiles only every n-th program from the i-th and loads the others as the other cores store them.
+        `run`: check the memory plan, then run each bucket's programs once on padding (run_padding), the bucket of
+        the program with the most working memory first (the allocator's first large region then holds every later
+        program's)."""
         r = self.runner
         sizes = list(r.token_buckets if sizes is None else sizes)
-        jobs = self.jobs(sizes)[part[0]::part[1]]
-        threads = max(1, min(len(jobs), threads or COMPILE_THREADS))
+        jobs = self.jobs(sizes)
+        if workers is None:
+            on_gpu = r.mesh.devices.flat[0].platform == "gpu"
+            workers = COMPILE_WORKERS if (on_gpu or _WORKERS) and r.executor == r.execute else 0
         start = time.perf_counter()
-        done = 0
         pending: dict[tuple, int] = {}
         for job in jobs:
             pending[job.group] = pending.get(job.group, 0) + 1
-        critical = {job.name for job in jobs if job.name.startswith("verify") or job.name == f"forward[{max(sizes)}]"}
+        # with workers, first runs wait for them all (they hold device memory while they compile); with threads,
+        # they start once the programs with the most working memory are compiled
+        critical = {job.name for job in jobs if workers or job.name.startswith("verify")
+                    or job.name == f"forward[{max(sizes)}]"}
         to_run = sorted(sizes) if run else []
-
-        def timed(job: Job) -> float:
-            began = time.perf_counter()
-            job.build()
-            return time.perf_counter() - began
-
-        with ThreadPoolExecutor(threads, thread_name_prefix="qwen-jax-compile") as pool:
-            futures: dict[Future, Job] = {pool.submit(timed, job): job for job in jobs}
-            for future in as_completed(futures):
-                job, seconds = futures[future], future.result()
-                done += 1
-                pending[job.group] -= 1
-                critical.discard(job.name)
-                log.info("compiled %s in %.1fs (%d of %d, %.1fs in all)", job.name, seconds, done, len(jobs),
-                         time.perf_counter() - start)
-                if to_run and not critical:
-                    if self.memory_checked is False:
-                        self.check_memory()
-                    to_run = self._run_ready(to_run, pending)
+        produced = self._from_workers(jobs, workers, part) if workers else self._from_threads(jobs)
+        for done, (job, compiled, seconds, working) in enumerate(produced, 1):
+            if working is not None:
+                self.working_bytes[job.name] = working
+                self.working_group[job.name] = job.group
+            job.store(compiled)
+            pending[job.group] -= 1
+            critical.discard(job.name)
+            log.info("compiled %s in %.1fs (%d of %d, %.1fs in all)", job.name, seconds, done, len(jobs),
+                     time.perf_counter() - start)
+            if to_run and not critical:
+                to_run = self._run_ready(to_run, pending)
         if to_run:
-            self.check_memory()
             self._run_ready(to_run, {})
         if jobs:
-            log.info("compiled %d programs in %.1fs on %d threads", len(jobs), time.perf_counter() - start, threads)
+            log.info("compiled %d programs in %.1fs (%s)", len(jobs), time.perf_counter() - start,
+                     f"{workers} worker processes" if workers else f"{COMPILE_THREADS} threads")
+
+    def _from_threads(self, jobs: list[Job]):
+        """(job, compiled, seconds, working bytes) of each job, compiled in threads of this process, as they finish."""
+        def compile_one(job: Job):
+            began = time.perf_counter()
+            compiled = job.lower().compile()
+            return job, compiled, time.perf_counter() - began, working_bytes(compiled)
+
+        if not jobs:
+            return
+        with ThreadPoolExecutor(max(1, min(len(jobs), COMPILE_THREADS)), thread_name_prefix="qwen-jax-compile") as pool:
+            for future in as_completed([pool.submit(compile_one, job) for job in jobs]):
+                yield future.result()
+
+    def _from_workers(self, jobs: list[Job], workers: int, part: tuple[int, int]):
+        """(job, compiled, seconds, working bytes) of each job as compile worker processes store it, serialized, in
+        the program store (program_store); this core's share of the jobs is compiled by workers started here."""
+        from jax.experimental import serialize_executable
+
+        store = self.program_store()
+        mine = [job for job in jobs[part[0]::part[1]] if not os.path.exists(os.path.join(store, job.file_name))]
+        processes = self._start_workers(mine, workers, store)
+        left = {job.file_name: job for job in jobs}
+        mine_files = {job.file_name for job in mine}
+        waited = time.perf_counter()
+        while left:
+            ready = [name for name in left if os.path.exists(os.path.join(store, name))]
+            for name in ready:
+                job = left.pop(name)
+                with open(os.path.join(store, name), "rb") as f:
+                    stored = pickle.load(f)
+                if "error" in stored:
+                    raise RuntimeError(f"compiling {job.name} failed in a compile worker: {stored['error']}")
+                compiled = serialize_executable.deserialize_and_load(
+                    stored["payload"], stored["in_tree"], stored["out_tree"],
+                    execution_devices=list(self.runner.mesh.devices.flat))
+                yield job, compiled, stored["seconds"], stored["working_bytes"]
+                waited = time.perf_counter()
+            if ready:
+                continue
+            dead = [p.returncode for p in processes if p.poll()]
+            if dead and mine_files & set(left):
+                missing = next(left[n].name for n in mine_files & set(left))
+                raise RuntimeError(f"a compile worker exited with code {dead[0]} before storing {missing}")
+            if all(p.poll() is not None for p in processes) and time.perf_counter() - waited > OTHERS_GRACE_S:
+                # the other cores' share is late (or they are gone): compile what is still missing here too
+                mine = list(left.values())
+                mine_files |= set(left)
+                processes = self._start_workers(mine, workers, store)
+                waited = time.perf_counter()
+            time.sleep(0.05)
+        for process in processes:
+            process.wait()
+
+    def _start_workers(self, jobs: list[Job], workers: int, store: str) -> list[subprocess.Popen]:
+        """Compile worker processes for `jobs`, each given every count-th of them. Plain subprocesses (a daemonic
+        core process may not start multiprocessing children), this package first on their path."""
+        count = min(workers, len(jobs))
+        jax_config = {name: getattr(jax.config, name) for name in INHERITED_CONFIG}
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        processes = []
+        for w in range(count):
+            task = os.path.join(store, f"task.{os.getpid()}.{time.monotonic_ns()}.{w}.pkl")
+            with open(task, "wb") as f:
+                pickle.dump((self.worker_spec(), [job.name for job in jobs[w::count]], store, jax_config), f)
+            processes.append(subprocess.Popen(
+                [sys.executable, "-c", f"from qwen_jax.engine.compilation import compile_worker; "
+                                       f"compile_worker({task!r})"], env=env))
+        return processes
+
+    def worker_spec(self) -> dict:
+        """What a compile worker needs to build this runner's abstract twin (the same programs, nothing allocated)."""
+        r = self.runner
+        return dict(cfg=r.cfg, runner=r.spec, tensor_parallel_size=int(np.prod(r.mesh.devices.shape)),
+                    enable_expert_parallel=r.mesh.shape.get("expert", 1) > 1, sizes=list(r.token_buckets))
+
+    def program_store(self) -> str:
+        """The folder compile workers store this runner's programs in: under the persistent compilation cache (a
+        restart loads them without compiling or lowering), keyed by everything a program depends on: the model,
+        the runner's shapes and drafts, the devices, JAX, XLA's flags and this package's source."""
+        r = self.runner
+        # (a replica's sampling seed is an input of its programs, not part of them)
+        spec = dict(r.spec, seed=0, drafts_at=[r.drafts_at(rows) for rows in range(1, r.max_num_seqs + 1)])
+        key = hashlib.sha256(pickle.dumps((r.cfg, sorted(spec.items()), dict(r.mesh.shape),
+                                           r.mesh.devices.flat[0].device_kind, jax.__version__,
+                                           os.environ.get("XLA_FLAGS", ""), source_digest()))).hexdigest()[:24]
+        root = jax.config.jax_compilation_cache_dir or tempfile.gettempdir()
+        store = os.path.join(root, "qwen_jax_programs", key)
+        os.makedirs(store, exist_ok=True)
+        return store
 
     def _run_ready(self, sizes: list[int], pending: dict[tuple, int]) -> list[int]:
-        """Run once each bucket of `sizes` whose programs (and samplers) are all compiled; the others, to run later."""
+        """Run once each bucket of `sizes` whose programs (and samplers) are all compiled, the one of the program
+        with the most working memory first (checked against the memory plan before anything runs); the others, to
+        run later."""
+        if not self.memory_checked:
+            self.check_memory()
+            largest = max(self.working_bytes, key=self.working_bytes.__getitem__, default=None)
+            group = self.working_group.get(largest, ())
+            if group and group[0] == "bucket" and group[1] in sizes:
+                sizes = [group[1], *(size for size in sizes if size != group[1])]
         later = []
         for size in sizes:
             if pending.get(("bucket", size)) or pending.get(("sampler", self.requests(size))):
@@ -322,36 +515,32 @@ class Compiler:
             jax.block_until_ready(out)
 
     def check_memory(self) -> None:
-        """The memory plan at start-up, before any program runs: the two largest programs' working memory must fit
-        in what is held back from the caches (the allocator may keep one's peak while the other runs). Raises
-        ValueError saying what to lower."""
+        """The memory plan at start-up, before any program runs: every program's working memory (XLA's temp
+        buffers) must fit in WORKING_MEMORY_SHARE of what is held back from the caches. Programs run one after
+        another on one stream, so each reuses the memory of the one before it, and the first run (run_padding) is
+        the largest's. Raises ValueError saying what to lower."""
         self.memory_checked = True
         held_back = self.held_back
         if held_back is None or not self.working_bytes:
             return
-        largest = sorted(self.working_bytes.items(), key=lambda item: -item[1])[:2]
-        need = sum(b for _, b in largest)
-        log.info("working memory: %s; %.2f GiB held back from the caches",
-                 ", ".join(f"{name} {b / 2**30:.2f} GiB" for name, b in largest), held_back / 2**30)
+        name, need = max(self.working_bytes.items(), key=lambda item: item[1])
+        log.info("working memory: at most %.2f GiB (%s); %.2f GiB held back from the caches", need / 2**30, name,
+                 held_back / 2**30)
         if need > WORKING_MEMORY_SHARE * held_back:
             raise ValueError(
-                f"the step programs need {need / 2**30:.2f} GiB of working memory ({largest[0][0]} "
-                f"{largest[0][1] / 2**30:.2f} GiB), more than the {WORKING_MEMORY_SHARE * held_back / 2**30:.2f} GiB "
-                f"left to them: lower --max-num-batched-tokens, --max-num-seqs or --speculative-config's "
-                f"num_speculative_tokens, or lower --gpu-memory-utilization")
+                f"the step program {name} needs {need / 2**30:.2f} GiB of working memory, more than the "
+                f"{WORKING_MEMORY_SHARE * held_back / 2**30:.2f} GiB left to it: lower --max-num-batched-tokens, "
+                f"--max-num-seqs or --speculative-config's num_speculative_tokens, or lower --gpu-memory-utilization")
 
-    def warm_up(self, full: bool, max_pairs: int, part: tuple[int, int] | None = None) -> None:
+    def warm_up(self, full: bool, max_pairs: int, part: tuple[int, int] = (0, 1)) -> None:
         """Compile (several at once) and run once every program serving can run (`full`), or only those of the
         smallest and the largest token bucket (the rest are jitted when a step first needs them), and the snapshot
-        copies of up to `max_pairs` pairs. Through the executor, so other hosts compile and run them too. `part`: as
-        in `compile`, this process's share of a compile shared through the persistent cache (compiled, not run)."""
+        copies and penalty resets of up to `max_pairs` rows. Through the executor, so other hosts compile and run
+        them too. `part`: this core's share of a compile shared with the other cores of one host (`compile`)."""
         r = self.runner
         sizes = list(r.token_buckets) if full else sorted({r.token_buckets[0], r.token_buckets[-1]})
-        if part is not None:
-            self.compile(sizes, part=part)
-            return
         if r.executor == r.execute:  # one host: first runs while the rest compiles
-            self.compile(sizes, run=True)
+            self.compile(sizes, run=True, part=part)
         else:  # other hosts compile too, then every host runs each program in the same order
             r.executor([("compile", sizes)])
             self.check_memory()

@@ -267,10 +267,10 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._in_flight) or any(r.has_work for r in self.replicas)
 
-    def warmup(self, full: bool = False, part: tuple[int, int] | None = None) -> None:
+    def warmup(self, full: bool = False, part: tuple[int, int] = (0, 1)) -> None:
         """Compile the step programs and run each once before serving (Replica.warmup): full, every program serving
-        can run, so no step ever waits on a compile. Replicas compile concurrently (the compiler releases the GIL).
-        `part`: only this core's share of a compile shared through the persistent cache (core_client)."""
+        can run, so no step ever waits on a compile. Replicas compile concurrently. `part`: this core's share of a
+        compile shared with the other cores of one host (core_client)."""
         if len(self.replicas) == 1:
             self.replicas[0].warmup(full, part)
             return

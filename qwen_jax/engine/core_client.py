@@ -2,14 +2,12 @@
 own) and talks to it over two ZeroMQ pipes of pickled messages: requests and aborts in, token outputs out.
 
 Front -> core messages: ("add", request_id, prompt_token_ids, SamplingParams), ("abort", [request_id, ...]),
-("shutdown",), and ("warm",) at start-up (below). Core -> front: ("compiled",) (below), ("ready", info), ("outputs",
-[CoreOutput, ...], stats), ("failed", reason) when the core cannot start or dies. Nothing here detokenizes or
-schedules.
+("shutdown",). Core -> front: ("ready", info), ("outputs", [CoreOutput, ...], stats), ("failed", reason) when the
+core cannot start or dies. Nothing here detokenizes or schedules.
 
 Data-parallel replicas on one host run one core process each (the front starts them: llm.AsyncLLM), each seeing only
-its own devices, so every replica compiles the very same programs: with a persistent compilation cache, core i of n
-first compiles every n-th program (`part`), says "compiled", and once the front has heard it from every core and
-sent "warm", compiles the rest from the cache and runs each program once.
+its own devices, so every replica compiles the very same programs: core i of n compiles every n-th program (`part`)
+and loads the others as the other cores store them (engine/compilation.py).
 """
 
 from __future__ import annotations
@@ -65,13 +63,7 @@ def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outpu
         core = EngineCore(model_path, **engine_args)
         # auto: every program on an accelerator (a server is ready when it serves at full speed), the smallest and
         # largest step's elsewhere
-        full = warmup == "full" or (warmup == "auto" and core.on_accelerator)
-        if part is not None and part[1] > 1 and jax.config.jax_compilation_cache_dir:
-            core.warmup(full, part=part)
-            send(("compiled",))
-            while pickle.loads(pull.recv())[0] != "warm":
-                pass
-        core.warmup(full)
+        core.warmup(warmup == "full" or (warmup == "auto" and core.on_accelerator), part or (0, 1))
     except BaseException:
         send(("failed", traceback.format_exc()))
         raise

@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
+from qwen_jax.engine import step
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.runner import ModelRunner
@@ -32,12 +33,11 @@ DECODE_STEPS_MAX_ROWS = 8
 # The default token budget of a step (engine argument max_num_batched_tokens; core.py says why).
 GPU_BATCHED_TOKENS = 8192
 BATCHED_TOKENS = 2048
-# The share of the memory held back from the caches that a verify step's per-token GDN states may take. The rest is
-# for the largest other program's working memory, which the allocator keeps while the verify step runs, and the
-# compiled programs (Compiler.check_memory checks both at start-up). 35B-A3B on one H200 at gpu_memory_utilization
-# 0.9: ~11 of ~20 GB held back at 61 MB a token, ~190 tokens (64 rows of 2 drafts); 90% (64 rows of 3 drafts, a
-# 15.4 GiB allocation) ran out of memory at max_num_seqs 256 after the 8,192-token prefill had run.
-VERIFY_STATES_SHARE = 0.55
+# The share of the memory held back from the caches that a verify step's per-token GDN states may take, for the
+# padded tokens of its bucket; the rest is for the compiled programs (Compiler.check_memory checks every program's
+# working memory at start-up, and runs the largest first). 35B-A3B on one H200 at gpu_memory_utilization 0.9:
+# ~16 of ~20 GiB held back at 61 MB a token: the 256-token bucket (64 rows of 3 drafts, 15.4 GiB).
+VERIFY_STATES_SHARE = 0.8
 
 
 class Replica:
@@ -101,8 +101,11 @@ class Replica:
                 np.array([budget, held_back], np.float64)), axis=0))
         # A verify step keeps every GDN layer's state after each of its tokens until its commit (a slot's worth a
         # token), in the memory held back from the cache: its tokens are capped to fit (None: no cap known).
-        self.max_verify_tokens = int(VERIFY_STATES_SHARE * held_back // per_slot) \
-            if per_slot and held_back < float("inf") else None
+        self.max_verify_tokens = None
+        if per_slot and held_back < float("inf"):  # the largest token bucket that fits (a step pads to one)
+            fits = int(VERIFY_STATES_SHARE * held_back // per_slot)
+            buckets = step.token_buckets(self.max_num_batched_tokens, self.max_num_seqs)
+            self.max_verify_tokens = max((size for size in buckets if size <= fits), default=0)
         self.held_back = held_back if held_back < float("inf") else None
         if fixed_drafts and self.max_verify_tokens is not None and self.max_verify_tokens < fixed_drafts + 1:
             need, room = (fixed_drafts + 1) * per_slot / 2**30, VERIFY_STATES_SHARE * held_back / 2**30
@@ -150,11 +153,11 @@ class Replica:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def warmup(self, full: bool, part: tuple[int, int] | None = None) -> None:
+    def warmup(self, full: bool, part: tuple[int, int] = (0, 1)) -> None:
         """Compile this replica's step programs and run each once before it serves (Compiler.warm_up), checking
         them against the memory plan. Full: every program serving can run; else the smallest and the largest token
-        bucket's. `part`: only this process's share of a compile shared through the persistent cache. Runs padding
-        only: no request, block or counter is touched."""
+        bucket's. `part`: this core's share of a compile shared with the other cores of one host. Runs padding only:
+        no request, block or counter is touched."""
         self.runner.compiler.held_back = self.held_back
         self.runner.compiler.warm_up(full, max_pairs=self.max_num_seqs if full else 1, part=part)
 

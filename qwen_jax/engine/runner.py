@@ -81,8 +81,16 @@ class ModelRunner:
         self.step_seed = seed * 1_000_003
         self.has_snapshots = bool(num_snapshots and cfg.is_hybrid)
         self.cache = self.snapshots = self.penalty_counts = self.last_tokens = self.drafts = self.emitted = None
+        # abstract params (jax.ShapeDtypeStruct): a runner that only compiles (a compile worker), nothing allocated
+        self.abstract = params is not None and isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
+        # what a compile worker needs to build this runner's twin (engine/compilation.py)
+        self.spec = dict(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
+                         num_snapshots=num_snapshots, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=list(eos_token_ids), seed=seed,
+                         decode_steps=decode_steps, decode_steps_max_rows=decode_steps_max_rows, kernels=kernels,
+                         num_speculative_tokens=num_speculative_tokens, drafts_at=drafts_at)
         if params is not None:
-            self.cache = rules.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots)
+            self.cache = rules.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots, abstract=self.abstract)
             put = self.put
             self.penalty_counts = put(np.zeros((num_slots, cfg.vocab_size), np.int32))
             self.last_tokens = put(np.zeros(max_num_seqs, np.int32))
@@ -91,7 +99,8 @@ class ModelRunner:
             # each row's tokens emitted by the last verify program (the next step's catch-up: step.stage_behind)
             self.emitted = put(np.zeros(max_num_seqs, np.int32))
         if params is not None and self.has_snapshots:  # GDN state only (+ the sink at 0), split like the cache
-            snapshot_cache = rules.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1)["layers"]
+            snapshot_cache = rules.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1,
+                                              abstract=self.abstract)["layers"]
             self.snapshots = [snapshot_cache[i] for i in step.gdn_indices(cfg)]
         # The compiled programs, filled ahead by the compiler (engine/compilation.py) or, for what it did not
         # compile (a minimal warm-up, rare sampling layouts), jitted when a step first needs them.
@@ -116,8 +125,11 @@ class ModelRunner:
         self.device_wait_seconds = 0.0
 
     def put(self, tree):
-        """Host arrays -> replicated on the mesh (several hosts: each copies only its own devices' part)."""
+        """Host arrays -> replicated on the mesh (several hosts: each copies only its own devices' part); an abstract
+        runner's: their shapes only."""
         sharding = step.replicated(self.mesh)
+        if self.abstract:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
         if sharding.is_fully_addressable:
             return jax.device_put(tree, sharding)
         return jax.tree.map(lambda a: rules.put(a, sharding), tree)

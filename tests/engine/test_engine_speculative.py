@@ -136,19 +136,19 @@ def test_a_full_warmup_leaves_speculation_nothing_to_compile(plain, hybrid_mtp_d
 
 def test_verify_steps_fit_the_memory_held_back_from_the_caches(plain, hybrid_mtp_dir, kit, monkeypatch):
     """On a device that reports its memory, a verify step's tokens are capped by the memory held back from the
-    caches (a verify step keeps a slot's worth of GDN state a token until its commit): with room for 6 tokens, k = 2
-    verifies steps of up to 2 rows and decodes larger ones plainly, with plain decoding's tokens."""
+    caches (a verify step keeps a slot's worth of GDN state a token of its bucket until its commit): with room for 8
+    tokens, k = 2 verifies steps of up to 2 rows and decodes larger ones plainly, with plain decoding's tokens."""
     per_slot = sum(math.prod(s.shape) * s.dtype.itemsize
                    for s in jax.tree.leaves(cache_shapes(load_config(hybrid_mtp_dir), 0, kit.BLOCK, 1)))
     limit = 2**30
     monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda self: {"bytes_limit": limit, "bytes_in_use": 0})
-    # held back: limit * (1.05 - util), VERIFY_STATES_SHARE of it for 6.5 tokens
-    util = 1.05 - 6.5 * per_slot / (VERIFY_STATES_SHARE * limit)
+    # held back: limit * (1.05 - util), VERIFY_STATES_SHARE of it for 8.5 tokens (capped to the bucket of 8)
+    util = 1.05 - 8.5 * per_slot / (VERIFY_STATES_SHARE * limit)
     llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
               **dict(kit.ENGINE_ARGS, gpu_memory_utilization=util))
     monkeypatch.undo()
     replica = llm.engine.replicas[0]
-    assert replica.max_verify_tokens == 6
+    assert replica.max_verify_tokens == 8
     assert [replica.scheduler.speculation.drafts_at(rows) for rows in (1, 2, 3, 4)] == [2, 2, 0, 0]
     prompts = [kit.prompt(n, seed=1200 + n) for n in (6, 15, 26)]
     params = [greedy(n, ignore_eos=True) for n in (4, 9, 13)]  # rows finish apart: 3, 2, then 1 decode
