@@ -42,7 +42,10 @@ log = logging.getLogger("qwen_jax")
 COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "0")) or max(2, (os.cpu_count() or 2))
 # $QWEN_JAX_COMPILE_WORKERS: compile workers on any backend (0: threads)
 _WORKERS = os.environ.get("QWEN_JAX_COMPILE_WORKERS")
-COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, COMPILE_THREADS - 1)
+COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, min(COMPILE_THREADS - 1, 12))
+# A compile worker's device memory (XLA's autotuning runs candidate kernels), as a share of the device: the core has
+# taken most of it for weights and caches, and a dozen workers share what is held back.
+WORKER_MEMORY_FRACTION = "0.04"
 # Sampler variants compiled ahead for every request count: the top-k / top-p path (sampler.cut_path), top logprobs
 # (none or the API maximum) and penalties. Batches with logit_bias, min_tokens bans or grammar masks have layouts of
 # their own, jitted on first use.
@@ -425,7 +428,8 @@ class Compiler:
         count = min(workers, len(jobs))
         jax_config = {name: getattr(jax.config, name) for name in INHERITED_CONFIG}
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               "XLA_PYTHON_CLIENT_MEM_FRACTION": WORKER_MEMORY_FRACTION}
         processes = []
         for w in range(count):
             task = os.path.join(store, f"task.{os.getpid()}.{time.monotonic_ns()}.{w}.pkl")
