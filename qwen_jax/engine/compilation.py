@@ -43,9 +43,7 @@ COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "0")) or max(2,
 # $QWEN_JAX_COMPILE_WORKERS: compile workers on any backend (0: threads)
 _WORKERS = os.environ.get("QWEN_JAX_COMPILE_WORKERS")
 COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, min(COMPILE_THREADS - 1, 12))
-# A compile worker's device memory (XLA's autotuning runs candidate kernels), as a share of the device: the core has
-# taken most of it for weights and caches, and a dozen workers share what is held back.
-WORKER_MEMORY_FRACTION = "0.04"
+
 # Sampler variants compiled ahead for every request count: the top-k / top-p path (sampler.cut_path), top logprobs
 # (none or the API maximum) and penalties. Batches with logit_bias, min_tokens bans or grammar masks have layouts of
 # their own, jitted on first use.
@@ -134,6 +132,15 @@ def compile_worker(task_path: str) -> None:
         os.replace(path + f".{os.getpid()}.tmp", path)
 
 
+def uses_workers(mesh) -> bool:
+    """Whether a runner on `mesh` compiles in worker processes: on a GPU of one host ($QWEN_JAX_COMPILE_WORKERS: on
+    any backend; 0: never). Its device state is then allocated once they are done (ModelRunner's `lazy`): XLA's
+    autotuning in the workers runs candidate kernels on the device meanwhile."""
+    if _WORKERS is not None:
+        return int(_WORKERS) > 0
+    return mesh.devices.flat[0].platform == "gpu" and jax.process_count() == 1
+
+
 class Compiler:
     """The compile and warm-up side of one ModelRunner."""
 
@@ -143,6 +150,7 @@ class Compiler:
         self.working_group: dict[str, tuple] = {}  # program name -> its job's group
         self.held_back: float | None = None  # device memory left beside the caches (None: not known)
         self.memory_checked = False
+        self._workers: list[subprocess.Popen] = []  # this core's compile worker processes
 
     # ---- abstract inputs ---------------------------------------------------------------------------------------
     def packed(self, size: int) -> jax.ShapeDtypeStruct:
@@ -340,8 +348,7 @@ class Compiler:
         sizes = list(r.token_buckets if sizes is None else sizes)
         jobs = self.jobs(sizes)
         if workers is None:
-            on_gpu = r.mesh.devices.flat[0].platform == "gpu"
-            workers = COMPILE_WORKERS if (on_gpu or _WORKERS) and r.executor == r.execute else 0
+            workers = COMPILE_WORKERS if uses_workers(r.mesh) and r.executor == r.execute else 0
         start = time.perf_counter()
         pending: dict[tuple, int] = {}
         for job in jobs:
@@ -389,7 +396,7 @@ class Compiler:
 
         store = self.program_store()
         mine = [job for job in jobs[part[0]::part[1]] if not os.path.exists(os.path.join(store, job.file_name))]
-        processes = self._start_workers(mine, workers, store)
+        processes = self._workers = self._start_workers(mine, workers, store)
         left = {job.file_name: job for job in jobs}
         mine_files = {job.file_name for job in mine}
         waited = time.perf_counter()
@@ -417,6 +424,7 @@ class Compiler:
                 mine = list(left.values())
                 mine_files |= set(left)
                 processes = self._start_workers(mine, workers, store)
+                self._workers += processes
                 waited = time.perf_counter()
             time.sleep(0.05)
         for process in processes:
@@ -428,8 +436,8 @@ class Compiler:
         count = min(workers, len(jobs))
         jax_config = {name: getattr(jax.config, name) for name in INHERITED_CONFIG}
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-               "XLA_PYTHON_CLIENT_MEM_FRACTION": WORKER_MEMORY_FRACTION}
+        # the core's memory settings: XLA plans a program's memory from the device's (a smaller share changes it)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         processes = []
         for w in range(count):
             task = os.path.join(store, f"task.{os.getpid()}.{time.monotonic_ns()}.{w}.pkl")
@@ -466,6 +474,9 @@ class Compiler:
         with the most working memory first (checked against the memory plan before anything runs); the others, to
         run later."""
         if not self.memory_checked:
+            for process in self._workers:  # their device memory is free again
+                process.wait()
+            self.runner.allocate()
             self.check_memory()
             largest = max(self.working_bytes, key=self.working_bytes.__getitem__, default=None)
             group = self.working_group.get(largest, ())

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine import step
+from qwen_jax.engine.compilation import uses_workers
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.runner import ModelRunner
@@ -71,7 +72,7 @@ class Replica:
                                   self.max_num_batched_tokens, eos_token_ids, seed=seed, mesh=mesh,
                                   decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS,
                                   kernels=args["kernels"], num_speculative_tokens=spec.num_drafts,
-                                  drafts_at=policy.drafts_at if policy else None)
+                                  drafts_at=policy.drafts_at if policy else None, lazy=uses_workers(mesh))
         self.scheduler.verify_rounds = self.runner.verify_rounds
 
     # ---- memory sizing ---------------------------------------------------------------------------------------

@@ -49,13 +49,14 @@ class ModelRunner:
                  num_snapshots: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: list[int], seed: int = 0, mesh: Mesh | None = None, decode_steps: int = 1,
                  decode_steps_max_rows: int = 0, kernels: str = "reference", num_speculative_tokens: int = 0,
-                 drafts_at: Callable[[int], int] | None = None):
+                 drafts_at: Callable[[int], int] | None = None, lazy: bool = False):
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules. None: the
         mesh is on other hosts (a data-parallel replica there); this runner only writes its steps down, and its
         executor sends them where they run (engine/multihost.py). `kernels`: the hot ops' implementation
         (qwen_jax/layers/ops.py). A model that speculates: the MTP head proposes num_speculative_tokens drafts a
         row, and a verify step of r rows verifies drafts_at(r) of them (0: such a step does not verify; the verify
-        programs compiled ahead are those)."""
+        programs compiled ahead are those). `lazy`: the device state beside the params is allocated at the warm-up
+        once the programs are compiled (compile workers need the device memory meanwhile) or at the first step."""
         self.cfg = cfg
         self.kernels = kernels
         self.params = params
@@ -89,19 +90,11 @@ class ModelRunner:
                          max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=list(eos_token_ids), seed=seed,
                          decode_steps=decode_steps, decode_steps_max_rows=decode_steps_max_rows, kernels=kernels,
                          num_speculative_tokens=num_speculative_tokens, drafts_at=drafts_at)
+        self.allocated = False
         if params is not None:
-            self.cache = rules.init_cache(cfg, self.mesh, num_blocks, block_size, num_slots, abstract=self.abstract)
-            put = self.put
-            self.penalty_counts = put(np.zeros((num_slots, cfg.vocab_size), np.int32))
-            self.last_tokens = put(np.zeros(max_num_seqs, np.int32))
-            # speculative decoding: the drafts proposed for each row of the last step (row r: sample row r's)
-            self.drafts = put(np.zeros((max_num_seqs, num_speculative_tokens), np.int32))
-            # each row's tokens emitted by the last verify program (the next step's catch-up: step.stage_behind)
-            self.emitted = put(np.zeros(max_num_seqs, np.int32))
-        if params is not None and self.has_snapshots:  # GDN state only (+ the sink at 0), split like the cache
-            snapshot_cache = rules.init_cache(cfg, self.mesh, 1, block_size, num_snapshots + 1,
-                                              abstract=self.abstract)["layers"]
-            self.snapshots = [snapshot_cache[i] for i in step.gdn_indices(cfg)]
+            self._make_state(abstract=True)
+            if not self.abstract and not lazy:
+                self.allocate()
         # The compiled programs, filled ahead by the compiler (engine/compilation.py) or, for what it did not
         # compile (a minimal warm-up, rare sampling layouts), jitted when a step first needs them.
         self.forwards: dict[int, jax.stages.Compiled] = {}  # token bucket -> its forward
@@ -124,12 +117,35 @@ class ModelRunner:
         # Time spent blocked on the devices' sampled tokens; the rest of a step is host work (engine stats).
         self.device_wait_seconds = 0.0
 
+    def _make_state(self, abstract: bool) -> None:
+        """The device state beside the params: the cache, the snapshots, the penalty counts, the last sampled tokens,
+        the drafts (`abstract`: their shapes only)."""
+        cfg, spec = self.cfg, self.spec
+        replicated = step.replicated(self.mesh)
+        put = (lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)) if abstract else self.put
+        self.cache = rules.init_cache(cfg, self.mesh, spec["num_blocks"], spec["block_size"], spec["num_slots"],
+                                      abstract=abstract)
+        self.penalty_counts = put(np.zeros((spec["num_slots"], cfg.vocab_size), np.int32))
+        self.last_tokens = put(np.zeros(spec["max_num_seqs"], np.int32))
+        # speculative decoding: the drafts proposed for each row of the last step (row r: sample row r's)
+        self.drafts = put(np.zeros((spec["max_num_seqs"], spec["num_speculative_tokens"]), np.int32))
+        # each row's tokens emitted by the last verify program (the next step's catch-up: step.stage_behind)
+        self.emitted = put(np.zeros(spec["max_num_seqs"], np.int32))
+        if self.has_snapshots:  # GDN state only (+ the sink at 0), split like the cache
+            snapshot_cache = rules.init_cache(cfg, self.mesh, 1, spec["block_size"], spec["num_snapshots"] + 1,
+                                              abstract=abstract)["layers"]
+            self.snapshots = [snapshot_cache[i] for i in step.gdn_indices(cfg)]
+
+    def allocate(self) -> None:
+        """Allocate the device state (a lazy runner's, at its warm-up once the compile workers are done, or at its
+        first step); a no-op once done."""
+        if not self.allocated and not self.abstract and self.params is not None:
+            self._make_state(abstract=False)
+            self.allocated = True
+
     def put(self, tree):
-        """Host arrays -> replicated on the mesh (several hosts: each copies only its own devices' part); an abstract
-        runner's: their shapes only."""
+        """Host arrays -> replicated on the mesh (several hosts: each copies only its own devices' part)."""
         sharding = step.replicated(self.mesh)
-        if self.abstract:
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
         if sharding.is_fully_addressable:
             return jax.device_put(tree, sharding)
         return jax.tree.map(lambda a: rules.put(a, sharding), tree)
@@ -303,6 +319,7 @@ class ModelRunner:
         """Issue one step's ops (see prepare) in order, without waiting for them: the step's SampleOutput, on the
         devices, its copy to the host started. The only place a step touches the devices; on several hosts every
         host runs the same list."""
+        self.allocate()
         out = None
         for kind, *args in ops:
             if kind == "restore":
