@@ -35,14 +35,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qwen_jax")
 
-# Programs compiled at once: in compile worker processes on an accelerator (one a core: each lowers a program under
+# Programs compiled at once: in compile worker processes on a GPU (at most 8 a GPU: each lowers a program under
 # its own GIL; H200 host, 35B-A3B: a forward lowers in ~5 s and compiles in 6-10 s), in threads elsewhere. An engine
 # core of several on one host (data-parallel replicas as processes) gets its share of the cores from the front
 # ($QWEN_JAX_COMPILE_THREADS).
 COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "0")) or max(2, (os.cpu_count() or 2))
 # $QWEN_JAX_COMPILE_WORKERS: compile workers on any backend (0: threads)
 _WORKERS = os.environ.get("QWEN_JAX_COMPILE_WORKERS")
-COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, min(COMPILE_THREADS - 1, 12))
+COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, min(COMPILE_THREADS - 1, 8))
 
 # Sampler variants compiled ahead for every request count: the top-k / top-p path (sampler.cut_path), top logprobs
 # (none or the API maximum) and penalties. Batches with logit_bias, min_tokens bans or grammar masks have layouts of
