@@ -57,9 +57,11 @@ def replica_environments(data_parallel_size: int, tensor_parallel_size: int | No
 
 
 # The layout a server takes on the GPUs of one host when no layout flag is given (`--layout auto`): for each GPU
-# count, (data-parallel replicas, tensor-parallel size, experts split over the tensor-parallel devices), the best
-# weighted score of the judge's procedure measured on H200s (scripts/judge_sweep.sh; docs/ARCHITECTURE.md, "Layouts").
-# A model whose weights do not fit one GPU's share (AUTO_WEIGHT_SHARE) is split over the fewest GPUs that hold it.
+# count, (data-parallel replicas, tensor-parallel size, experts split over the tensor-parallel devices). Data
+# parallelism (one replica process a GPU) for a model one GPU holds: no collective in a step, and each replica's host
+# thread its own. Not yet compared with TP/EP layouts by the judge's procedure on several GPUs
+# (scripts/judge_sweep.sh; sharding/README.md). A model whose weights do not fit one GPU's share
+# (AUTO_WEIGHT_SHARE) is split over the fewest GPUs that hold it.
 AUTO_LAYOUTS = {1: (1, 1, False), 2: (2, 1, False), 4: (4, 1, False), 8: (8, 1, False)}
 AUTO_WEIGHT_SHARE = 0.6
 
