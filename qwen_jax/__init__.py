@@ -24,7 +24,7 @@ _PUBLIC = {
     "ModelNotFound": "qwen_jax.engine.model_files", "resolve_path": "qwen_jax.engine.model_files",
     "check_structured_outputs": "qwen_jax.engine.grammar", "check_speculative_config": "qwen_jax.engine.speculative",
     "default_cache_dir": "qwen_jax.default_model", "ensure_default_model": "qwen_jax.default_model",
-    "host_settings": "sharding.distributed",
+    "host_settings": "sharding.distributed", "parse_layout": "sharding.devices",
 }
 # Public names that differ from the name in their module.
 _ALIASES = {"check_structured_outputs": "check", "host_settings": "settings",

@@ -147,7 +147,7 @@ class UsageError(Exception):
 def check_args(args: argparse.Namespace) -> None:
     """Resolve the model, tokenizer and chat template and check the flags, before anything loads; a problem is a
     UsageError."""
-    from qwen_jax import ModelNotFound, check_speculative_config, resolve_path
+    from qwen_jax import ModelNotFound, check_speculative_config, parse_layout, resolve_path
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -166,6 +166,15 @@ def check_args(args: argparse.Namespace) -> None:
         check_speculative_config(args.speculative_config)
     except ValueError as exc:
         raise UsageError(str(exc).replace("speculative_config", "--speculative-config", 1)) from None
+    if args.layout != "auto":
+        try:
+            parse_layout(args.layout)
+        except ValueError as exc:
+            raise UsageError(f"--{exc}") from None
+        given = [flag for flag, value in (("-tp", args.tensor_parallel_size), ("-dp", args.data_parallel_size),
+                                          ("--enable-expert-parallel", args.enable_expert_parallel)) if value]
+        if given:
+            raise UsageError(f"--layout {args.layout} and {', '.join(given)} both set the layout: give one")
     if not 0 <= args.max_logprobs <= SamplingParams.MAX_LOGPROBS:
         raise UsageError(f"--max-logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}] (the sampler's limit), got "
                          f"{args.max_logprobs}")
@@ -319,11 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     from qwen_jax import AsyncLLM
     from server.app import ServerConfig, create_app
 
-    try:
-        engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, layout=args.layout, **engine_args(args))
-    except ValueError as exc:
-        print(f"python -m server: error: {exc}", file=sys.stderr)
-        return 2
+    engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, layout=args.layout, **engine_args(args))
     dp = engine.engine_args.get("data_parallel_size") or 1
     log.info("layout: %d data-parallel replica(s) x tensor-parallel size %s%s", dp,
              engine.engine_args.get("tensor_parallel_size") or "all devices",

@@ -68,6 +68,8 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(default_model_dir):
     (["--chat-template", "no-such-template.jinja"], "is neither a file nor a Jinja template"),
     (["--tokenizer", "./no/such/dir"], "is neither a local path nor a Hugging Face hub id"),
     (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "--speculative-config: method"),
+    (["--layout", "XP=2"], "--layout 'XP=2': expected parts like DP=2, TP=2, EP or EP=2"),
+    (["--layout", "DP=2", "-tp", "2"], "--layout DP=2 and -tp both set the layout: give one"),
 ])
 def test_bad_flags_are_one_line(args, message):
     result = run_cli(*args, "--port", str(free_port()))
