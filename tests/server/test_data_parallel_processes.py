@@ -6,9 +6,6 @@ in flight, an unhealthy server and a non-zero exit, never a hang.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +25,7 @@ from server_harness import (
     wait_for,
     wait_until_healthy,
 )
-from test_engine_death import DEATH_TIMEOUT_S, core_children
+from test_engine_death import DEATH_TIMEOUT_S, core_children, kill_and_watch_the_server_end
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time", "def f(x):", "Hello", "a b c d"]
@@ -98,16 +95,7 @@ def test_a_dead_replica_process_fails_the_requests_and_the_server_exits_non_zero
             thread.start()
             wait_for(first.is_set, 120, "the stream's first token")
             streams.append((thread, events))
-        os.kill(cores[1], signal.SIGKILL)
-        assert server.wait(DEATH_TIMEOUT_S) == 1
-        for thread, events in streams:
-            thread.join(DEATH_TIMEOUT_S)
-            assert not thread.is_alive()
-            assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
-            assert events[-1] == "data: [DONE]"
-        text = log_path.read_text()
-        assert "shutting down: the engine core died" in text, text
-        assert "server stopped" in text
+        kill_and_watch_the_server_end(server, cores[1], streams, log_path)
     finally:
         if server.poll() is None:
             server.kill()

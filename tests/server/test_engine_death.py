@@ -122,6 +122,22 @@ def core_children(pid: int) -> list[int]:
     return found
 
 
+def kill_and_watch_the_server_end(server: subprocess.Popen, core: int, streams: list, log_path: Path) -> str:
+    """Kill engine core process `core` of `python -m server` process `server`: the server exits 1 within
+    DEATH_TIMEOUT_S, every stream (thread, its SSE events) ends with an error event and [DONE], and the log says why
+    it stopped (returned)."""
+    os.kill(core, signal.SIGKILL)
+    assert server.wait(DEATH_TIMEOUT_S) == 1
+    for thread, events in streams:
+        thread.join(DEATH_TIMEOUT_S)
+        assert not thread.is_alive()
+        assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
+        assert events[-1] == "data: [DONE]"
+    text = log_path.read_text()
+    assert "shutting down: the engine core died" in text and "server stopped" in text, text
+    return text
+
+
 def test_server_process_exits_non_zero_when_its_engine_core_is_killed(tmp_path, default_model_dir,
                                                                        compilation_cache_dir):
     port = free_port()
@@ -141,14 +157,8 @@ def test_server_process_exits_non_zero_when_its_engine_core_is_killed(tmp_path, 
         wait_for(first.is_set, 120, "the stream's first token")
         cores = core_children(server.pid)
         assert len(cores) == 1, cores
-        os.kill(cores[0], signal.SIGKILL)
-        assert server.wait(DEATH_TIMEOUT_S) == 1
-        streamer.join(DEATH_TIMEOUT_S)
-        assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
-        assert events[-1] == "data: [DONE]"
-        text = log_path.read_text()
+        text = kill_and_watch_the_server_end(server, cores[0], [(streamer, events)], log_path)
         assert "shutting down: the engine core died (the engine core process exited with code -9)" in text, text
-        assert "server stopped" in text
     finally:
         if server.poll() is None:
             server.kill()
