@@ -60,7 +60,7 @@ if part server; then
   chat
   grep -v "^W1\|^I1" "$OUT/serve_bench.txt" | tail -30
   curl -s "$URL/metrics" > "$OUT/metrics.txt"; grep "^qwen_jax_engine_step" "$OUT/metrics.txt"
-  grep -i "compiled the step\|every step bucket\|loaded" "$OUT/server.log" | cut -c1-160 | tail -16
+  grep -i "compiled [0-9]* programs\|working memory\|loaded" "$OUT/server.log" | cut -c1-160 | tail -16
   ./start.sh --stop
 fi
 
