@@ -64,7 +64,7 @@ def test_killed_core_fails_requests_in_flight_and_new_ones_and_health_turns_500(
     wait_for(lambda: doomed.call(doomed.engine.stats)["num_running"] == 2, 120, "both requests running")
 
     killed = time.monotonic()
-    doomed.engine._core.process.kill()
+    doomed.engine._cores[0].process.kill()
     # At once, before the front has noticed: refused or failed, never left waiting on the dead core.
     cause = "the engine core process exited with code -9"
     dead = {"message": f"the engine core died: {cause}", "type": "server_error", "param": None, "code": None}
