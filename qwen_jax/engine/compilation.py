@@ -203,10 +203,11 @@ class Compiler:
                 variants.add((k, r.max_verify_rounds))
         return sorted(variants)
 
-    def jobs(self, sizes: list[int]) -> list[Job]:
+    def jobs(self, sizes: list[int], every_sampler: bool = True) -> list[Job]:
         """Every program not compiled yet that steps of the token buckets `sizes` can run: per bucket its forward
         (and input staging), several-step decode, the MTP head's program, verify steps and their staging; per
-        request count its samplers. Largest buckets first: they take longest to compile."""
+        request count its samplers (`every_sampler`: every variant, else the greedy / temperature-only and top-k
+        ones). Largest buckets first: they take longest to compile."""
         r = self.runner
         jobs = []
         for size in sorted(sizes, reverse=True):
@@ -224,9 +225,9 @@ class Compiler:
                                         *self._verifier(size, k, rounds)))
         for requests in sorted({self.requests(size) for size in sizes}):
             layout = self.padding_sampling(requests)[1]
-            for path in SAMPLER_PATHS:
-                for top in (0, r.top_logprobs_width):
-                    for penalties in (False, True):
+            for path in SAMPLER_PATHS if every_sampler else (0, 1):
+                for top in (0, r.top_logprobs_width) if every_sampler else (0,):
+                    for penalties in (False, True) if every_sampler else (False,):
                         if (layout, path, top, penalties) not in r.samplers:
                             jobs.append(Job(f"sampler[{requests} rows, path {path}, top {top}, penalties {penalties}]",
                                             ("sampler", requests), *self._sampler(layout, path, top, penalties)))
@@ -332,7 +333,7 @@ class Compiler:
 
     # ---- compiling and first runs ------------------------------------------------------------------------------
     def compile(self, sizes: list[int] | None = None, run: bool = False, workers: int | None = None,
-                part: tuple[int, int] = (0, 1)) -> None:
+                part: tuple[int, int] = (0, 1), every_sampler: bool = True) -> None:
         """Compile every program of the token buckets `sizes` (default: all) not compiled yet, one log line per
         program: in `workers` compile processes (default: COMPILE_WORKERS on a GPU, none elsewhere: XLA:CPU
         programs loaded in another process than the one that compiled them crashed when run), or in COMPILE_THREADS
@@ -343,10 +344,10 @@ class Compiler:
         host) compiles only every n-th program from the i-th and loads the others as the other cores store them.
         `run`: check the memory plan, then run each bucket's programs once on padding (run_padding), the bucket of
         the program with the most working memory first (the allocator's first large region then holds every later
-        program's)."""
+        program's). `every_sampler`: as in `jobs`."""
         r = self.runner
         sizes = list(r.token_buckets if sizes is None else sizes)
-        jobs = self.jobs(sizes)
+        jobs = self.jobs(sizes, every_sampler)
         if workers is None:
             workers = COMPILE_WORKERS if uses_workers(r.mesh) and r.executor == r.execute else 0
         start = time.perf_counter()
@@ -555,7 +556,7 @@ class Compiler:
         r = self.runner
         sizes = list(r.token_buckets) if full else sorted({r.token_buckets[0], r.token_buckets[-1]})
         if r.executor == r.execute:  # one host: first runs while the rest compiles
-            self.compile(sizes, run=True, part=part)
+            self.compile(sizes, run=True, part=part, every_sampler=full)
         else:  # other hosts compile too, then every host runs each program in the same order
             r.executor([("compile", sizes)])
             self.check_memory()
