@@ -98,6 +98,7 @@ def compile_worker(task_path: str) -> None:
     serialized in the store as soon as it is done (written whole, then renamed: a reader never sees half a file)."""
     with open(task_path, "rb") as f:
         spec, names, store, jax_config = pickle.load(f)
+    os.remove(task_path)
     logging.basicConfig(level=os.environ.get("QWEN_JAX_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s[compile]: %(message)s")
     for name, value in jax_config.items():
@@ -439,11 +440,12 @@ class Compiler:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         # the core's memory settings: XLA plans a program's memory from the device's (a smaller share changes it)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        spec = self.worker_spec()
         processes = []
         for w in range(count):
             task = os.path.join(store, f"task.{os.getpid()}.{time.monotonic_ns()}.{w}.pkl")
             with open(task, "wb") as f:
-                pickle.dump((self.worker_spec(), [job.name for job in jobs[w::count]], store, jax_config), f)
+                pickle.dump((spec, [job.name for job in jobs[w::count]], store, jax_config), f)
             processes.append(subprocess.Popen(
                 [sys.executable, "-c", f"from qwen_jax.engine.compilation import compile_worker; "
                                        f"compile_worker({task!r})"], env=env))
@@ -565,7 +567,7 @@ class Compiler:
         # the small programs of sequences entering a batch: snapshot copies and penalty-count resets (nothing real:
         # padding entries copy into the sinks, and reset no row)
         longest = r.table_width * r.block_size
-        for n in sorted({1 << (k - 1).bit_length() for k in range(1, max_pairs + 1)}):
+        for n in sorted({step.bucket(k) for k in range(1, max_pairs + 1)}):
             if r.has_snapshots:
                 r.executor([("restore", *r.pairs([(0, 0)] * n)), ("save", *r.pairs([(0, 0)] * n))])
             r.executor([("penalties", np.full(n, r.num_slots, np.int32), np.zeros((n, longest), np.int32),

@@ -34,11 +34,6 @@ TOP_LOGPROBS_WIDTH = SamplingParams.MAX_LOGPROBS
 _GREEDY = SamplingParams(temperature=0.0)
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """The next power of two >= n (at least `minimum`)."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
 # A verify program of a few rows runs this many rounds per decode step a decode program runs: a program's ~6 ms of
 # host time is shared by more tokens. Rows that end inside a program compute the rest of its rounds for nothing.
 VERIFY_ROUNDS_PER_DECODE_STEP = 2
@@ -296,7 +291,7 @@ class ModelRunner:
         """The penalty-count rows of sequences entering the batch, from their prompt and output so far (padding
         entries name row num_slots, dropped), each padded to the longest sequence the engine runs: one program per
         count of rows, all compiled ahead."""
-        count, longest = bucket(len(seqs)), self.table_width * self.block_size
+        count, longest = step.bucket(len(seqs)), self.table_width * self.block_size
         rows = np.full(count, self.num_slots, np.int32)
         ids = np.zeros((count, longest), np.int32)
         num_prompt, num_tokens = np.zeros(count, np.int32), np.zeros(count, np.int32)
@@ -309,7 +304,7 @@ class ModelRunner:
     @staticmethod
     def pairs(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) index arrays padded to a power of two with (0, 0): padding copies into the sink entry."""
-        src, dst = np.zeros((2, bucket(len(pairs))), np.int32)
+        src, dst = np.zeros((2, step.bucket(len(pairs))), np.int32)
         for i, (a, b) in enumerate(pairs):
             src[i], dst[i] = a, b
         return src, dst

@@ -41,6 +41,11 @@ def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
+def bucket(n: int, minimum: int = 1) -> int:
+    """The next power of two >= n (at least `minimum`)."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
 def bucket_for(num_tokens: int, buckets: list[int]) -> int:
     for size in buckets:
         if size >= num_tokens:
