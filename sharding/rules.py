@@ -127,6 +127,20 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(cfg, mesh))
 
 
+def abstract_params(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The params' shapes laid out over `mesh` (jax.ShapeDtypeStruct with their shardings): what programs compile
+    against before (or without) the weights being read."""
+    return jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+                        decoder.param_shapes(cfg), param_shardings(cfg, mesh))
+
+
+def shard_bytes(tree: dict) -> int:
+    """Bytes one device holds of a pytree of laid-out shapes (jax.ShapeDtypeStruct with shardings; every device
+    holds one shard of each leaf)."""
+    return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))
+
+
 def cache_specs(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> dict:
     """Pytree of PartitionSpec matching decoder.cache_shapes: pages/slots over data, heads over the model axes
     (a GDN layer's conv inputs and float32 recurrent state split with its heads)."""

@@ -54,6 +54,8 @@ OTHERS_GRACE_S = 60.0
 # Share of the memory held back from the caches that the two largest programs' working memory may take together
 # (the allocator keeps one program's peak while the other runs); the rest is for the compiled programs themselves.
 WORKING_MEMORY_SHARE = 0.9
+# How a compile worker's out-of-device-memory failure reads (XLA's status code)
+OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
 
 
 @dataclasses.dataclass
@@ -106,27 +108,28 @@ def compile_worker(task_path: str) -> None:
     from jax.experimental import serialize_executable
 
     from qwen_jax.engine.runner import ModelRunner
-    from qwen_jax.models.decoder import param_shapes
     from sharding import rules
     from sharding.mesh import make_mesh
 
     cfg = spec["cfg"]
     mesh = make_mesh(spec["tensor_parallel_size"], 1, spec["enable_expert_parallel"])
-    params = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
-                          param_shapes(cfg), rules.param_shardings(cfg, mesh))
-    runner = ModelRunner(cfg, params, mesh=mesh, **spec["runner"])
+    runner = ModelRunner(cfg, rules.abstract_params(cfg, mesh), mesh=mesh, **spec["runner"])
     jobs = {job.name: job for job in runner.compiler.jobs(spec["sizes"])}
     for name in names:
         job = jobs[name]
         began = time.perf_counter()
         try:
-            compiled = job.lower().compile()
+            lowered = job.lower()
+            lowered_at = time.perf_counter()
+            compiled = lowered.compile()
+            log.info("%s: lowered in %.1fs, compiled in %.1fs", name, lowered_at - began,
+                     time.perf_counter() - lowered_at)
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             stored = dict(payload=payload, in_tree=in_tree, out_tree=out_tree, working_bytes=working_bytes(compiled),
                           seconds=time.perf_counter() - began)
-        except Exception as exc:  # the core reports it (a program it cannot serve without)
+        except Exception as exc:  # the core retries it alone (out of memory) or reports it
             log.exception("compiling %s failed", name)
-            stored = dict(error=f"{type(exc).__name__}: {exc}")
+            stored = dict(error=f"{type(exc).__name__}: {exc}", out_of_memory=OUT_OF_MEMORY in str(exc))
         path = os.path.join(store, job.file_name)
         with open(path + f".{os.getpid()}.tmp", "wb") as f:
             pickle.dump(stored, f)
@@ -152,6 +155,7 @@ class Compiler:
         self.held_back: float | None = None  # device memory left beside the caches (None: not known)
         self.memory_checked = False
         self._workers: list[subprocess.Popen] = []  # this core's compile worker processes
+        self._begun: tuple[list[Job], list[subprocess.Popen]] | None = None  # (its jobs, workers) started by begin
 
     # ---- abstract inputs ---------------------------------------------------------------------------------------
     def packed(self, size: int) -> jax.ShapeDtypeStruct:
@@ -397,10 +401,15 @@ class Compiler:
         from jax.experimental import serialize_executable
 
         store = self.program_store()
-        mine = [job for job in jobs[part[0]::part[1]] if not os.path.exists(os.path.join(store, job.file_name))]
-        processes = self._workers = self._start_workers(mine, workers, store)
+        if self._begun is not None:  # started before the weights were read (begin)
+            mine, processes = self._begun
+            self._begun = None
+        else:
+            mine, processes = self._start_share(jobs, workers, part, store)
         left = {job.file_name: job for job in jobs}
         mine_files = {job.file_name for job in mine}
+        retry: list[Job] = []  # out of memory beside the other workers: compiled again alone
+        retried: set[str] = set()
         waited = time.perf_counter()
         while left:
             ready = [name for name in left if os.path.exists(os.path.join(store, name))]
@@ -408,6 +417,16 @@ class Compiler:
                 job = left.pop(name)
                 with open(os.path.join(store, name), "rb") as f:
                     stored = pickle.load(f)
+                if stored.get("out_of_memory") and name in mine_files and name not in retried:
+                    # XLA's autotuning ran out of device memory beside the other workers: once they are done,
+                    # compile it again in a worker of its own
+                    log.warning("compiling %s ran out of device memory beside the other compile workers; it is "
+                                "compiled again alone once they are done", job.name)
+                    os.remove(os.path.join(store, name))
+                    left[name] = job
+                    retried.add(name)
+                    retry.append(job)
+                    continue
                 if "error" in stored:
                     raise RuntimeError(f"compiling {job.name} failed in a compile worker: {stored['error']}")
                 compiled = serialize_executable.deserialize_and_load(
@@ -417,11 +436,19 @@ class Compiler:
                 waited = time.perf_counter()
             if ready:
                 continue
+            if retry and all(p.poll() is not None for p in processes):
+                processes = self._start_workers(retry, 1, store)
+                self._workers += processes
+                retry = []
+                waited = time.perf_counter()
+                continue
             dead = [p.returncode for p in processes if p.poll()]
-            if dead and mine_files & set(left):
-                missing = next(left[n].name for n in mine_files & set(left))
+            owed = mine_files & set(left) - {job.file_name for job in retry}
+            if dead and owed:
+                missing = left[min(owed)].name
                 raise RuntimeError(f"a compile worker exited with code {dead[0]} before storing {missing}")
-            if all(p.poll() is not None for p in processes) and time.perf_counter() - waited > OTHERS_GRACE_S:
+            if not retry and all(p.poll() is not None for p in processes) and \
+                    time.perf_counter() - waited > OTHERS_GRACE_S:
                 # the other cores' share is late (or they are gone): compile what is still missing here too
                 mine = list(left.values())
                 mine_files |= set(left)
@@ -432,14 +459,32 @@ class Compiler:
         for process in processes:
             process.wait()
 
+    def begin(self, part: tuple[int, int] = (0, 1)) -> None:
+        """Start the compile workers on every program serving can run (this core's `part`, as in `compile`) now:
+        they need only the runner's shapes, so they compile while the core reads the weights. The full warm-up's
+        compile then waits for them. A no-op where programs are not compiled in workers."""
+        r = self.runner
+        if uses_workers(r.mesh) and r.executor == r.execute:
+            self._begun = self._start_share(self.jobs(list(r.token_buckets)), COMPILE_WORKERS, part,
+                                            self.program_store())
+
+    def _start_share(self, jobs: list[Job], workers: int, part: tuple[int, int], store: str
+                     ) -> tuple[list[Job], list[subprocess.Popen]]:
+        """This core's share of `jobs` not in the store yet, and the worker processes started on it."""
+        mine = [job for job in jobs[part[0]::part[1]] if not os.path.exists(os.path.join(store, job.file_name))]
+        self._workers = self._start_workers(mine, workers, store)
+        return mine, self._workers
+
     def _start_workers(self, jobs: list[Job], workers: int, store: str) -> list[subprocess.Popen]:
         """Compile worker processes for `jobs`, each given every count-th of them. Plain subprocesses (a daemonic
         core process may not start multiprocessing children), this package first on their path."""
         count = min(workers, len(jobs))
         jax_config = {name: getattr(jax.config, name) for name in INHERITED_CONFIG}
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        # the core's memory settings: XLA plans a program's memory from the device's (a smaller share changes it)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        # the core's memory settings, but device memory is taken and given back as XLA's autotuning runs candidate
+        # kernels (the default allocator keeps its peak: 8 workers beside 35B-A3B's weights filled an H200)
+        env = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform", **os.environ,
+               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         spec = self.worker_spec()
         processes = []
         for w in range(count):
@@ -479,8 +524,13 @@ class Compiler:
         if not self.memory_checked:
             for process in self._workers:  # their device memory is free again
                 process.wait()
-            self.runner.allocate()
             self.check_memory()
+            known = self.held_back is not None
+            self.runner.allocate(reserve=max(self.working_bytes.values(), default=0) if known else 0)
+            stats = self.runner.mesh.devices.flat[0].memory_stats() or {}
+            if known and "bytes_limit" in stats:
+                log.info("device memory: %.2f GiB in use with the caches, of %.2f GiB", stats["bytes_in_use"] / 2**30,
+                         stats["bytes_limit"] / 2**30)
             largest = max(self.working_bytes, key=self.working_bytes.__getitem__, default=None)
             group = self.working_group.get(largest, ())
             if group and group[0] == "bucket" and group[1] in sizes:

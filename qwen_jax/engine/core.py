@@ -130,7 +130,10 @@ class _InFlight:
 class EngineCore:
     """One model on this host's devices (and, on several hosts, the others'), as D data-parallel replicas."""
 
-    def __init__(self, model_path: str, **given):
+    def __init__(self, model_path: str, compile_ahead: tuple[int, int] | None = None, **given):
+        """`compile_ahead`: (i, n), core i of n sharing one host's compile (None: one core): start compiling every
+        program serving can run (its share) before the weights are read, for a full warm-up (`warmup(full=True)`)
+        to finish; where programs compile in worker processes, they compile while the weights load."""
         args = self.args = engine_args(given)
         distributed.initialize(args["num_hosts"], args["host_index"], args["coordinator_address"])
         self.model_path = model_path
@@ -162,15 +165,24 @@ class EngineCore:
         self.eos_token_ids = eos_ids(model_path, cfg, tokenizer)
         self.grammars = grammar.GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
+        # The replicas are built on the weights' shapes (only replicas with devices on this host get them), so that
+        # their programs can compile while the weights are read; then each gets its weights.
+        # Distinct sampling seeds per replica (seed * dp + i): unseeded rows of two replicas draw different numbers.
+        ranks = [int(rank)] if rank is not None else range(dp)
+        local = [jax.process_index() in hosts for hosts in self.replica_hosts]
+        self.replicas = [Replica(i, cfg, rules.abstract_params(cfg, m) if here else None, m, args,
+                                 self.max_model_len, self.eos_token_ids, seed=int(args["seed"]) * dp + i)
+                         for i, m, here in zip(ranks, replica_meshes, local, strict=True)]
+        if compile_ahead is not None:
+            for replica in self.replicas:
+                replica.runner.compiler.begin(compile_ahead)
         t0 = time.perf_counter()
         replica_params = self._load_params(source, args, replica_meshes)
         jax.block_until_ready(replica_params)
         self.load_seconds = time.perf_counter() - t0
-        # Distinct sampling seeds per replica (seed * dp + i): unseeded rows of two replicas draw different numbers.
-        ranks = [int(rank)] if rank is not None else range(dp)
-        self.replicas = [Replica(i, cfg, params, m, args, self.max_model_len, self.eos_token_ids,
-                                 seed=int(args["seed"]) * dp + i)
-                         for i, params, m in zip(ranks, replica_params, replica_meshes, strict=True)]
+        for replica, params in zip(self.replicas, replica_params, strict=True):
+            if params is not None:
+                replica.runner.place_params(params)
         # Several hosts: host 0 alone schedules (every replica), and sends each step's ops (the runner's device work
         # as host data) to the other hosts of that replica; they run them in follow() (engine/multihost.py). A
         # replica on other hosts only sends its sampled outputs back. Every host makes the same channels in order.

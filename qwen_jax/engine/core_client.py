@@ -60,10 +60,11 @@ def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outpu
     try:
         from qwen_jax.engine.core import EngineCore
 
-        core = EngineCore(model_path, **engine_args)
         # auto: every program on an accelerator (a server is ready when it serves at full speed), the smallest and
         # largest step's elsewhere
-        core.warmup(warmup == "full" or (warmup == "auto" and core.on_accelerator), part or (0, 1))
+        full = warmup == "full" or (warmup == "auto" and jax.default_backend() != "cpu")
+        core = EngineCore(model_path, compile_ahead=(part or (0, 1)) if full else None, **engine_args)
+        core.warmup(full, part or (0, 1))
     except BaseException:
         send(("failed", traceback.format_exc()))
         raise

@@ -44,7 +44,8 @@ VERIFY_STATES_SHARE = 0.8
 class Replica:
     def __init__(self, index: int, cfg: ModelConfig, params: dict | None, mesh: Mesh, args: dict, max_model_len: int,
                  eos_token_ids: list[int], seed: int):
-        """Replica `index` over `mesh`, serving `params` (already laid out over `mesh`); `args` are the engine's."""
+        """Replica `index` over `mesh`, serving `params` (already laid out over `mesh`, or their shapes,
+        rules.abstract_params, placed later with runner.place_params); `args` are the engine's."""
         self.index = index
         self.cfg = cfg
         self.mesh = mesh
@@ -56,7 +57,7 @@ class Replica:
         self.max_num_batched_tokens = int(budget)
         self.block_size = int(args["block_size"])
         spec = speculation(args["speculative_config"], cfg.has_mtp)
-        self._size_memory(args, spec.num_drafts if spec.fixed else 0)
+        self._size_memory(args, spec.num_drafts if spec.fixed else 0, params)
         self.blocks = BlockPool(self.num_blocks, self.block_size)
         self.slots = SlotPool(self.max_num_seqs + 1)
         self.prefix_cache = (PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid)
@@ -76,10 +77,11 @@ class Replica:
         self.scheduler.verify_rounds = self.runner.verify_rounds
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
-    def _size_memory(self, args: dict, fixed_drafts: int) -> None:
-        """Cache sizes from the tightest device of this replica: its free memory (after the weights are placed) and
-        its shard of a block / slot (a slot also holds a row of penalty counts, whole on every device).
-        `fixed_drafts`: the drafts every verify step must verify (a fixed speculative config; 0: none)."""
+    def _size_memory(self, args: dict, fixed_drafts: int, params: dict | None) -> None:
+        """Cache sizes from the tightest device of this replica: its free memory (after the weights are placed:
+        `params`' leaves that are only shapes yet count as placed) and its shard of a block / slot (a slot also holds
+        a row of penalty counts, whole on every device). `fixed_drafts`: the drafts every verify step must verify
+        (a fixed speculative config; 0: none)."""
         cfg, block_size = self.cfg, self.block_size
         per_block = rules.cache_bytes_per_device(cfg, self.mesh, 1, block_size, 0)  # KV pages of every layer
         per_slot = rules.cache_bytes_per_device(cfg, self.mesh, 0, block_size, 1)  # GDN state of every layer
@@ -93,7 +95,9 @@ class Replica:
         if not local:  # a replica on other hosts: theirs decide (the allgather below)
             budget = float("inf")
         elif all("bytes_limit" in s for s in stats):
-            budget = min(s["bytes_limit"] * share - s["bytes_in_use"] for s in stats)
+            unplaced = rules.shard_bytes([leaf for leaf in jax.tree.leaves(params or {})
+                                          if isinstance(leaf, jax.ShapeDtypeStruct)])
+            budget = min(s["bytes_limit"] * share - s["bytes_in_use"] - unplaced for s in stats)
             held_back = min(s["bytes_limit"] * (1.0 - share) for s in stats)
         else:
             budget = float(args["cpu_cache_budget_gib"]) * 2**30

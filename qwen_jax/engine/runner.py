@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -77,8 +78,10 @@ class ModelRunner:
         self.step_seed = seed * 1_000_003
         self.has_snapshots = bool(num_snapshots and cfg.is_hybrid)
         self.cache = self.snapshots = self.penalty_counts = self.last_tokens = self.drafts = self.emitted = None
-        # abstract params (jax.ShapeDtypeStruct): a runner that only compiles (a compile worker), nothing allocated
+        # abstract params (jax.ShapeDtypeStruct): a runner that only compiles (a compile worker), nothing allocated,
+        # or one whose weights are still being read (place_params)
         self.abstract = params is not None and isinstance(jax.tree.leaves(params)[0], jax.ShapeDtypeStruct)
+        self.lazy = lazy
         # what a compile worker needs to build this runner's twin (engine/compilation.py)
         self.spec = dict(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
                          num_snapshots=num_snapshots, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -131,11 +134,24 @@ class ModelRunner:
                                               abstract=abstract)["layers"]
             self.snapshots = [snapshot_cache[i] for i in step.gdn_indices(cfg)]
 
-    def allocate(self) -> None:
+    def place_params(self, params: dict) -> None:
+        """The weights of a runner built on their shapes (rules.abstract_params: its programs compile while the
+        weights are read), laid out the same way."""
+        self.params = params
+        self.abstract = False
+        if not self.lazy:
+            self.allocate()
+
+    def allocate(self, reserve: int = 0) -> None:
         """Allocate the device state (a lazy runner's, at its warm-up once the compile workers are done, or at its
-        first step); a no-op once done."""
+        first step); a no-op once done. `reserve`: bytes a device first takes, and gives back once the state is in
+        place, so that they stay one free region for the program with the most working memory (run next)."""
         if not self.allocated and not self.abstract and self.params is not None:
+            held = [jnp.zeros(reserve, jnp.uint8, device=d) for d in self.mesh.devices.flat
+                    if d.process_index == jax.process_index()] if reserve else []
             self._make_state(abstract=False)
+            jax.block_until_ready((held, self.cache))
+            del held
             self.allocated = True
 
     def put(self, tree):

@@ -46,3 +46,108 @@ def test_a_lazy_runner_allocates_its_state_at_its_first_step_with_the_same_token
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(runner.cache))
     assert llm.generate([prompt], params)[0].token_ids == expected
     assert runner.allocated and all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(runner.cache))
+
+
+def test_a_program_whose_compile_ran_out_of_device_memory_is_compiled_again_by_a_worker_alone(
+        hybrid_mtp_dir, kit, monkeypatch, tmp_path):
+    """The core's side of the worker protocol, with this process standing in for the workers (XLA:CPU programs must
+    be loaded where they were compiled): the first try of one program stores an out-of-memory error, as XLA's
+    autotuning beside other workers can; once the others are done, that program alone goes to a single worker."""
+    from jax.experimental import serialize_executable
+
+    from qwen_jax.engine import compilation
+
+    monkeypatch.setattr(compilation.Compiler, "program_store", lambda self: str(tmp_path))
+    compiler = runner_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).compiler
+    size = min(compiler.runner.token_buckets)
+    jobs = [job for job in compiler.jobs([size], every_sampler=False) if job.name.startswith("forward")]
+    starts = []
+
+    def stand_in_workers(self, given, workers, store):
+        starts.append(([job.name for job in given], workers))
+        for job in given:
+            if len(starts) == 1:
+                stored = dict(error="JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate",
+                              out_of_memory=True)
+            else:
+                payload, in_tree, out_tree = serialize_executable.serialize(job.lower().compile())
+                stored = dict(payload=payload, in_tree=in_tree, out_tree=out_tree, working_bytes=1, seconds=0.0)
+            with open(os.path.join(store, job.file_name), "wb") as f:
+                pickle.dump(stored, f)
+        return [compilation.subprocess.Popen(["true"])]
+
+    monkeypatch.setattr(compilation.Compiler, "_start_workers", stand_in_workers)
+    produced = list(compiler._from_workers(jobs, workers=4, part=(0, 1)))
+    assert starts == [([jobs[0].name], 4), ([jobs[0].name], 1)]
+    assert [job.name for job, *_ in produced] == [jobs[0].name]
+
+
+def test_a_compile_error_other_than_out_of_memory_stops_the_start(hybrid_mtp_dir, kit, monkeypatch, tmp_path):
+    from qwen_jax.engine import compilation
+
+    monkeypatch.setattr(compilation.Compiler, "program_store", lambda self: str(tmp_path))
+    compiler = runner_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).compiler
+    jobs = compiler.jobs([min(compiler.runner.token_buckets)], every_sampler=False)[:1]
+
+    def failing_workers(self, given, workers, store):
+        for job in given:
+            with open(os.path.join(store, job.file_name), "wb") as f:
+                pickle.dump(dict(error="ValueError: no such layout", out_of_memory=False), f)
+        return [compilation.subprocess.Popen(["true"])]
+
+    monkeypatch.setattr(compilation.Compiler, "_start_workers", failing_workers)
+    try:
+        list(compiler._from_workers(jobs, workers=2, part=(0, 1)))
+    except RuntimeError as exc:
+        assert "no such layout" in str(exc) and jobs[0].name in str(exc)
+    else:
+        raise AssertionError("a compile error must stop the start")
+
+
+def test_compile_workers_start_before_the_weights_are_read_and_the_warmed_core_gives_the_same_tokens(
+        hybrid_mtp_dir, kit, monkeypatch, tmp_path):
+    """A core that compiles ahead (a full warm-up) starts its compile workers on the runner's shapes, before it
+    reads the weights; its warm-up then takes their programs, and it serves the tokens of an engine that compiled
+    nothing ahead. This process stands in for the workers (XLA:CPU programs must be loaded where compiled)."""
+    from jax.experimental import serialize_executable
+
+    from qwen_jax import EngineCore
+    from qwen_jax.engine import compilation
+
+    events, compiled = [], {}
+
+    def stand_in_workers(self, given, workers, store):
+        events.append(("workers", len(given), self.runner.abstract))
+        for job in given:  # (XLA:CPU cannot serialize every program: the store's entry names it here)
+            compiled[job.file_name] = job.lower().compile()
+            with open(os.path.join(store, job.file_name), "wb") as f:
+                pickle.dump(dict(payload=job.file_name, in_tree=None, out_tree=None, working_bytes=1, seconds=0.0), f)
+        return [compilation.subprocess.Popen(["true"])]
+
+    load_params = EngineCore._load_params
+
+    def recorded_load(self, *args):
+        events.append(("weights",))
+        return load_params(self, *args)
+
+    prompt, params = kit.prompt(20, seed=1301), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # few programs to compile: one request at a time, 16-token steps, no drafts
+    args = dict(kit.ENGINE_ARGS, max_num_seqs=1, max_num_batched_tokens=16, speculative_config="off")
+    expected = LLM(hybrid_mtp_dir, **args).generate([prompt], params)[0].token_ids
+    for module in (compilation, replica_module):
+        monkeypatch.setattr(module, "uses_workers", lambda mesh: True)
+    monkeypatch.setattr(compilation.Compiler, "program_store", lambda self: str(tmp_path))
+    monkeypatch.setattr(compilation.Compiler, "_start_workers", stand_in_workers)
+    monkeypatch.setattr(EngineCore, "_load_params", recorded_load)
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", lambda name, *_, **__: compiled[name])
+    core = EngineCore(hybrid_mtp_dir, compile_ahead=(0, 1), **args)
+    runner = core.replicas[0].runner
+    jobs = runner.compiler.jobs(list(runner.token_buckets))
+    assert events == [("workers", len(jobs), True), ("weights",)]
+    core.warmup(full=True)
+    assert events[2:] == [] and sorted(runner.forwards) == runner.token_buckets
+    core.add_request("r", prompt, params)
+    tokens = []
+    while core.has_unfinished:
+        tokens += [t for out in core.step() for t in out.new_token_ids]
+    assert tokens == expected
