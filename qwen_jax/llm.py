@@ -10,6 +10,7 @@ import asyncio
 import functools
 import itertools
 import os
+import threading
 from collections.abc import AsyncIterator, Sequence
 
 import jax
@@ -106,15 +107,40 @@ class AsyncLLM:
     """The server's engine: the core in a process of its own (one per data-parallel replica on one host), one asyncio
     queue per request here. Construct with from_engine_args, then `await start()`."""
 
-    def __init__(self, model_path: str, engine_args: dict, warmup: str = "auto"):
+    def __init__(self, model_path: str, engine_args: dict, warmup: str = "auto", launch: bool = False):
         """warmup: "minimal" compiles the smallest and largest step before serving; "full" every program serving
         can run (a shape first met while serving would stall every running request while it compiles); "auto" is
-        "full" on accelerators and "minimal" on the CPU."""
+        "full" on accelerators and "minimal" on the CPU. `launch`: start the core process(es) at once, before this
+        front reads the tokenizer and config (they load and compile meanwhile; start() then waits for them)."""
         if warmup not in ("auto", "minimal", "full"):
             raise ValueError(f"warmup must be 'auto', 'minimal' or 'full', not {warmup!r}")
         self.model_path = model_path
         self.engine_args = engine_args
         self.warmup = warmup
+        self.error: str | None = None
+        self._cores: list[CoreProcess] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # what the cores' reader threads hand the event loop before start() has one: (callback, args)
+        self._before_loop: list[tuple] = []
+        self._loop_lock = threading.Lock()
+        self._ready: asyncio.Future | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._owner: dict[str, int] = {}  # request -> the core it runs on
+        self._load: list[int] = []  # requests running on each core
+        self._stats: list[dict] = []  # each core's counters as of its last message
+        self._started: list[asyncio.Future] = []  # each core's "ready"
+        self._serving: set[int] = set()  # the cores that said "ready"
+        self._on_dead = None
+        if launch:
+            self.launch()
+        try:
+            self._read_model(model_path, engine_args)
+        except BaseException:
+            for core in self._cores:
+                core.close()
+            raise
+
+    def _read_model(self, model_path: str, engine_args: dict) -> None:
         self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or model_path)
         # Read from the model files here, without a device: the core computes the same values.
         self.config: ModelConfig = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]))
@@ -122,23 +148,14 @@ class AsyncLLM:
         self.eos_token_ids = eos_ids(model_path, self.config, self.tokenizer)
         self.model_name = model_path.rstrip("/").split("/")[-1]
         self.output = OutputProcessor(self.tokenizer)
-        self.error: str | None = None
-        self._cores: list[CoreProcess] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready: asyncio.Future | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._owner: dict[str, int] = {}  # request -> the core it runs on
-        self._load: list[int] = []  # requests running on each core
-        self._stats: list[dict] = []  # each core's counters as of its last message
-        self._started: list[asyncio.Future] = []  # each core's "ready"
-        self._on_dead = None
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, warmup: str = "auto", layout: str | None = None,
-                         **given) -> AsyncLLM:
+                         launch: bool = False, **given) -> AsyncLLM:
         """`layout`: "auto" puts the model on every visible GPU of this host in the best measured layout
         (sharding/devices.py AUTO_LAYOUTS) unless a layout engine argument is given; "DP=2,TP=2"-style text sets
-        data_parallel_size, tensor_parallel_size and enable_expert_parallel; None: the engine arguments alone."""
+        data_parallel_size, tensor_parallel_size and enable_expert_parallel; None: the engine arguments alone.
+        `launch`: as in the constructor."""
         engine_args(given)  # unknown names fail here, not in the core process
         if given.get("tokenizer") is not None:
             given["tokenizer"] = resolve_path(given["tokenizer"])
@@ -156,7 +173,7 @@ class AsyncLLM:
                 weights = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(param_shapes(cfg)))
                 dp, tp, ep = auto_layout(len(gpus), weights, gpu_memory_bytes())
                 given.update(data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=ep)
-        return cls(path, given, warmup)
+        return cls(path, given, warmup, launch)
 
     def on_dead(self, callback) -> None:
         """`callback(reason)` runs on the event loop once if an engine core dies while serving."""
@@ -174,17 +191,28 @@ class AsyncLLM:
         return [({**self.engine_args, "data_parallel_rank": i}, {**env, "QWEN_JAX_COMPILE_THREADS": threads})
                 for i, env in enumerate(envs)]
 
-    async def start(self) -> None:
-        """Start the core process(es) (load, compile) and wait until every one serves."""
-        self._loop = asyncio.get_running_loop()
-        self._ready = self._loop.create_future()
+    def launch(self) -> None:
+        """Start the core process(es): each loads the model and compiles (a no-op once started)."""
+        if self._cores:
+            return
         plans = self.core_plans()
         n = len(plans)
         self._load, self._stats = [0] * n, [{}] * n
-        self._started = [self._loop.create_future() for _ in range(n)]
         for i, (args, env) in enumerate(plans):
             self._cores.append(CoreProcess(self.model_path, args, self.warmup, functools.partial(self._on_message, i),
                                            env=env, part=(i, n) if n > 1 else None))
+
+    async def start(self) -> None:
+        """Start the core process(es) (load, compile) unless launched, and wait until every one serves."""
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        self.launch()
+        self._started = [loop.create_future() for _ in self._cores]
+        with self._loop_lock:  # from here the reader threads hand their messages to the loop themselves
+            self._loop = loop
+            before, self._before_loop = self._before_loop, []
+        for callback, args in before:
+            callback(*args)
         try:
             await asyncio.gather(*self._started)
         except EngineDead as exc:
@@ -202,13 +230,23 @@ class AsyncLLM:
         if kind == "outputs":
             _, outputs, stats = message
             results, ended = self.output.process(outputs)
-            self._loop.call_soon_threadsafe(self._deliver, core, results, ended, stats)
+            self._on_loop(self._deliver, core, results, ended, stats)
         elif kind == "ready":
-            self._loop.call_soon_threadsafe(self._core_started, core, message[1])
+            self._on_loop(self._core_started, core, message[1])
         elif kind == "failed":
-            self._loop.call_soon_threadsafe(self._fail, message[1])
+            self._on_loop(self._fail, message[1])
+
+    def _on_loop(self, callback, *args) -> None:
+        """Run `callback(*args)` on the event loop; before start() has one (a launched core's early "ready" or
+        "failed"), once start() has it."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._before_loop.append((callback, args))
+                return
+        self._loop.call_soon_threadsafe(callback, *args)
 
     def _core_started(self, core: int, info: dict) -> None:
+        self._serving.add(core)
         self._stats[core] = info["stats"]
         if not self._started[core].done():
             self._started[core].set_result(None)
@@ -291,10 +329,12 @@ class AsyncLLM:
         return sum_stats(self._stats)
 
     async def shutdown(self) -> None:
-        """Abort what is still running, then stop the core processes (and, on several hosts, the followers)."""
+        """Abort what is still running, then stop the core processes (and, on several hosts, the followers). A core
+        still loading or compiling reads no message: it is stopped at once."""
         for rid in list(self._streams):
             await self.abort(rid)
-        await asyncio.gather(*(asyncio.to_thread(core.close) for core in self._cores))
+        await asyncio.gather(*(asyncio.to_thread(core.close, 10.0 if i in self._serving else 0.0)
+                               for i, core in enumerate(self._cores)))
 
 
 def sum_stats(stats: list[dict]) -> dict:

@@ -328,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     from qwen_jax import AsyncLLM
     from server.app import ServerConfig, create_app
 
-    engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, layout=args.layout, **engine_args(args))
+    # the core processes start loading and compiling at once, while this front reads the tokenizer and builds
+    engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, layout=args.layout, launch=True,
+                                       **engine_args(args))
     dp = engine.engine_args.get("data_parallel_size") or 1
     log.info("layout: %d data-parallel replica(s) x tensor-parallel size %s%s", dp,
              engine.engine_args.get("tensor_parallel_size") or "all devices",

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -101,6 +102,7 @@ def compile_worker(task_path: str) -> None:
     with open(task_path, "rb") as f:
         spec, names, store, jax_config = pickle.load(f)
     os.remove(task_path)
+    _exit_with(os.getppid())
     logging.basicConfig(level=os.environ.get("QWEN_JAX_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s[compile]: %(message)s")
     for name, value in jax_config.items():
@@ -134,6 +136,17 @@ def compile_worker(task_path: str) -> None:
         with open(path + f".{os.getpid()}.tmp", "wb") as f:
             pickle.dump(stored, f)
         os.replace(path + f".{os.getpid()}.tmp", path)
+
+
+def _exit_with(parent: int) -> None:
+    """End this process when `parent` (its engine core) is gone: a core that dies or is killed leaves no worker
+    compiling on, holding device memory."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="qwen-jax-parent-watch", daemon=True).start()
 
 
 def uses_workers(mesh) -> bool:

@@ -151,3 +151,33 @@ def test_compile_workers_start_before_the_weights_are_read_and_the_warmed_core_g
     while core.has_unfinished:
         tokens += [t for out in core.step() for t in out.new_token_ids]
     assert tokens == expected
+
+
+def test_a_compile_worker_ends_when_its_core_is_gone():
+    """A core that dies (or is killed) mid-compile leaves no worker behind holding device memory."""
+    import subprocess
+    import sys
+    import time
+
+    worker = ("import os, time; from qwen_jax.engine.compilation import _exit_with; _exit_with(os.getppid()); "
+              "print(os.getpid(), flush=True); time.sleep(120)")
+    core = ("import subprocess, sys, time; "
+            f"w = subprocess.Popen([sys.executable, '-c', {worker!r}], stdout=subprocess.PIPE); "
+            "print(w.stdout.readline().decode().strip(), flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", core], stdout=subprocess.PIPE)
+    child = int(parent.stdout.readline())
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return "\nState:\tZ" not in f.read()  # a zombie has exited (an orphan's reaper may be slow)
+        except FileNotFoundError:
+            return False
+
+    assert running(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(child)

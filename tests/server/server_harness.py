@@ -114,7 +114,7 @@ class ServerThread:
 def make_engine(model_dir: str):
     from qwen_jax.llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(model_dir, **ENGINE_ARGS)
+    return AsyncLLM.from_engine_args(model_dir, launch=True, **ENGINE_ARGS)  # as the server builds it
 
 
 def wait_idle(srv: ServerThread, timeout: float = 30) -> dict:
