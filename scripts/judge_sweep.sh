@@ -22,9 +22,11 @@ ARGS=(--model "$MODEL" --load-format "${LOAD_FORMAT:-dummy}" --port "$PORT" --co
 now() { date +%s.%N; }
 since() { python3 -c "import sys; print(round($(now) - float(sys.argv[1]), 1))" "$1"; }
 
+cached=$(ls "$CACHE" 2>/dev/null | wc -l)
 t0=$(now)
+echo "$TAG launched at $(date +%T.%N)"
 ./start.sh "${ARGS[@]}" > "$OUT/${TAG}_start.txt" 2>&1 || { echo "start failed"; tail -30 "$QWEN_JAX_LOG"; exit 1; }
-echo "$TAG ready_s $(since "$t0") (cold: the compile cache had $(ls "$CACHE" 2>/dev/null | wc -l) entries)"
+echo "$TAG ready_s $(since "$t0") (the compile cache had $cached entries at launch: 0 is a cold start)"
 python3 -m qwen_jax.bench.serve --base-url "http://127.0.0.1:$PORT" --model m --tokenizer "$MODEL" \
   --concurrency "${LEVELS:-1,2,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --warmup-requests 0 \
   --input-len 1024 --output-len "${OUTLEN:-300}" --temperature 1 --results "$OUT/RESULTS.json" \

@@ -478,8 +478,10 @@ class Compiler:
         compile then waits for them. A no-op where programs are not compiled in workers."""
         r = self.runner
         if uses_workers(r.mesh) and r.executor == r.execute:
-            self._begun = self._start_share(self.jobs(list(r.token_buckets)), COMPILE_WORKERS, part,
-                                            self.program_store())
+            jobs = self.jobs(list(r.token_buckets))
+            self._begun = self._start_share(jobs, COMPILE_WORKERS, part, self.program_store())
+            log.info("%d of %d programs to compile (the rest are stored): %d compile workers started",
+                     len(self._begun[0]), len(jobs), len(self._begun[1]))
 
     def _start_share(self, jobs: list[Job], workers: int, part: tuple[int, int], store: str
                      ) -> tuple[list[Job], list[subprocess.Popen]]:
