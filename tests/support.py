@@ -1,5 +1,5 @@
-"""Small helpers several test files share: loading a script of scripts/ as a module, and lowering a jitted function
-for CUDA on this CPU machine to read the Triton calls in its StableHLO.
+"""Small helpers several test files share: where the shared test data is, loading a script of scripts/ as a module,
+and lowering a jitted function for CUDA on this CPU machine to read the Triton calls in its StableHLO.
 
 Never runs anything on a device and never changes what it loads.
 """
@@ -7,12 +7,27 @@ Never runs anything on a device and never changes what it loads.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
 from jax import export
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO_ROOT / "scripts"
+# The shared test data (tokenizer, configs, GSM8K, the trained tiny LLaMA; its SOURCES.md says where each comes from):
+# $QWEN_JAX_TEST_DATA, else ../shared/data beside this checkout.
+DATA_ENV = "QWEN_JAX_TEST_DATA"
+
+
+def shared_data(*parts: str) -> Path:
+    """A path in the shared test data. A missing one is an error naming where it was looked for, never a skip."""
+    root = Path(os.environ.get(DATA_ENV) or REPO_ROOT.parent / "shared" / "data")
+    path = root.joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(f"shared test data missing: {path} (set ${DATA_ENV} to the folder that holds "
+                                f"qwen3_5_tokenizer/, configs/, gsm8k/ and tiny_llama/)")
+    return path
 
 
 def load_script(name: str) -> ModuleType:

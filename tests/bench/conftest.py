@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import queue
 import re
 import socket
@@ -21,12 +20,12 @@ import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from quart import Quart, Response, request
+from support import shared_data
 from tiny_models import add_copy_mtp_head, build_hybrid
 
-from qwen_jax.bench.results import REPO_ROOT
 from qwen_jax.bench.serve import load_tokenizer
 
-TOKENIZER_DIR = os.path.join(REPO_ROOT, "..", "shared", "data", "qwen3_5_tokenizer")
+TOKENIZER_DIR = str(shared_data("qwen3_5_tokenizer"))
 WORDS = (" hello", " world", " the", " cat")  # each one Qwen3.5 token, and they never merge with each other
 
 

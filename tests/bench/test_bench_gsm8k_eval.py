@@ -2,13 +2,14 @@
 format, some right only loosely, and some wrong."""
 
 import asyncio
-import os
 
 import pytest
+from support import shared_data
 
 from qwen_jax.bench import gsm8k
 
-TEST = gsm8k.DEFAULT_TEST
+TEST = str(shared_data("gsm8k", "test.jsonl"))
+DATA = dict(test_path=TEST, train_path=str(shared_data("gsm8k", "train.jsonl")))
 
 
 def grader(messages):
@@ -25,14 +26,10 @@ def grader(messages):
     return f"The answer is {gold + 1}."
 
 
-def test_data_files_are_found_relative_to_the_repo():
-    assert os.path.exists(gsm8k.DEFAULT_TEST) and os.path.exists(gsm8k.DEFAULT_TRAIN)
-
-
 def test_evaluate_scores_strict_and_flexible(tokenizer, fake_server):
     async def go():
         async with fake_server(tokenizer, chat=grader) as (url, seen):
-            out = await gsm8k.evaluate_async(url, "fake", limit=6, concurrency=3)
+            out = await gsm8k.evaluate_async(url, "fake", limit=6, concurrency=3, **DATA)
         return out, seen
 
     out, seen = asyncio.run(go())
@@ -53,10 +50,10 @@ def test_evaluate_scores_strict_and_flexible(tokenizer, fake_server):
 
 def test_sync_entry_point_takes_a_base_url(tokenizer, threaded_server):
     with threaded_server(tokenizer, chat=grader) as (url, _):
-        out = gsm8k.evaluate(url, limit=3, concurrency=2, fewshot_seed=1, shots=2)
+        out = gsm8k.evaluate(url, limit=3, concurrency=2, fewshot_seed=1, shots=2, **DATA)
     assert (out["strict_accuracy"], out["flexible_accuracy"]) == (pytest.approx(1 / 3), pytest.approx(2 / 3))
 
 
 def test_unreachable_server_counts_errors_as_wrong():
-    out = gsm8k.evaluate("http://127.0.0.1:9", limit=2, timeout_s=5)
+    out = gsm8k.evaluate("http://127.0.0.1:9", limit=2, timeout_s=5, **DATA)
     assert out["errors"] == 2 and out["strict_accuracy"] == 0.0 and out["flexible_accuracy"] == 0.0

@@ -4,8 +4,8 @@ Qwen3.5-35B-A3B and Qwen3.5-4B config.json numbers (not from param_shapes)."""
 import os
 
 import pytest
+from support import shared_data
 
-from qwen_jax.bench.results import REPO_ROOT
 from qwen_jax.bench.roofline import (
     decode_bytes,
     expected_distinct_experts,
@@ -16,7 +16,7 @@ from qwen_jax.bench.roofline import (
 )
 from qwen_jax.config import load_config
 
-CONFIGS = os.path.join(REPO_ROOT, "..", "shared", "data", "configs")
+CONFIGS = str(shared_data("configs"))
 
 # Qwen3.5-35B-A3B: hidden 2048, vocab 248320, 40 layers = 30 Gated DeltaNet + 10 gated attention, all MoE.
 H, V = 2048, 248320

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from support import load_script
+from support import load_script, shared_data
 from transformers import Qwen3_5MoeForCausalLM
 
 from qwen_jax.config import from_hf_dict
@@ -34,6 +34,7 @@ MTP_NAMES = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_no
              "mtp.norm.weight"} | {f"mtp.layers.0.{name}" for name in DECODER_LAYER}
 
 script = load_script("train_mtp_model")
+DATA = ["--tokenizer", str(shared_data("qwen3_5_tokenizer")), "--gsm8k", str(shared_data("gsm8k"))]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def trained(tmp_path_factory) -> tuple:
     """(trained model, trained head, report, checkpoint dir) of a 6-step tiny run."""
     out = tmp_path_factory.mktemp("tiny_mtp") / "checkpoint"
     args = script.parse_args(["--tiny", "--out", str(out), "--steps", str(STEPS), "--batch-size", "2",
-                              "--train-examples", "2", "--max-len", "64", "--heldout", "2", "--eval-every", "3"])
+                              "--train-examples", "2", "--max-len", "64", "--heldout", "2", "--eval-every", "3",
+                              *DATA])
     model, head, report = script.train(args)
     script.save_checkpoint(model, head, out, Path(args.tokenizer), report)
     return model, head, report, out
@@ -106,7 +108,7 @@ def test_the_engine_loader_reads_the_main_model(trained):
 
 
 def test_eval_counts_one_draft_per_output_token_after_the_first(trained):
-    report = script.main(["--eval", str(trained[3]), "--eval-prompts", "2", "--max-new-tokens", "6"])
+    report = script.main(["--eval", str(trained[3]), "--eval-prompts", "2", "--max-new-tokens", "6", *DATA])
     assert report["prompts"] == 2
     assert report["drafted"] == sum(p["output_tokens"] - 1 for p in report["per_prompt"])
     assert report["drafted"] == sum(p["drafted"] for p in report["per_position"])

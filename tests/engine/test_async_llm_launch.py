@@ -12,6 +12,7 @@ import pytest
 from qwen_jax import llm as llm_module
 from qwen_jax.llm import AsyncLLM, EngineDead
 
+
 def core_processes() -> list:
     return [p for p in multiprocessing.active_children() if p.name == "qwen-jax-core"]
 

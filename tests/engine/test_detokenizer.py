@@ -1,15 +1,12 @@
 import shutil
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import shared_data
 from transformers import AutoTokenizer, LlamaTokenizer
 
 from qwen_jax.engine.detokenizer import IncrementalDetokenizer, StopChecker
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 MULTILINGUAL = (
     "Hello, world! Ünïcödé façade — naïve café. 你好，世界！今日は良い天気ですね。한국어 텍스트. "
@@ -18,16 +15,9 @@ MULTILINGUAL = (
 )
 
 
-def shared(*parts: str) -> Path:
-    path = SHARED_DATA.joinpath(*parts)
-    if not path.exists():
-        raise FileNotFoundError(f"shared test data missing: {path} (expected beside the repo at {SHARED_DATA})")
-    return path
-
-
 @pytest.fixture(scope="module")
 def qwen_tok():
-    return AutoTokenizer.from_pretrained(shared("qwen3_5_tokenizer"))
+    return AutoTokenizer.from_pretrained(shared_data("qwen3_5_tokenizer"))
 
 
 def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:
@@ -94,7 +84,7 @@ def test_ids_past_the_tokenizer_are_ignored(qwen_tok):
 
 
 def test_byte_fallback_sentencepiece_tokenizer(tmp_path):
-    shutil.copy(shared("tiny_llama", "tok512.model"), tmp_path / "tokenizer.model")
+    shutil.copy(shared_data("tiny_llama", "tok512.model"), tmp_path / "tokenizer.model")
     tok = LlamaTokenizer.from_pretrained(tmp_path)
     prompt = tok.encode("Once upon a time,")  # starts with BOS (special, skipped)
     out = tok.encode(" Lily saw 你好 and é ü 🎉 there.", add_special_tokens=False)

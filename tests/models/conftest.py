@@ -1,8 +1,6 @@
-"""Fixtures for model tests: tiny random HF models of every architecture (built and saved once per session),
-a per-request HF reference with its own cache, and the location of the shared data.
-
-Never downloads anything; a missing shared data folder is a failure, not a skip.
-"""
+"""Fixtures for model tests: tiny random HF models of every architecture (built and saved once per session) and
+a per-request HF reference with its own cache (the shared data's folder: the `shared_data` fixture of
+tests/conftest.py). Never downloads anything."""
 
 from __future__ import annotations
 
@@ -13,9 +11,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO_ROOT / "../shared/data"
 
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -44,12 +39,6 @@ ARCHS = {
         rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 32})),
 }
-
-
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        raise FileNotFoundError(f"shared test data not found at {SHARED_DATA.resolve()}")
-    return SHARED_DATA
 
 
 def rel_err(ours, ref) -> float:
@@ -140,6 +129,3 @@ def rel_err_fixture():
     return rel_err
 
 
-@pytest.fixture(scope="session", name="shared_data")
-def shared_data_fixture() -> Path:
-    return shared_data()

@@ -21,6 +21,7 @@ import pytest
 import torch
 from checkpoint_layouts import fused_experts, language_model_layout, per_expert, save_sharded
 from safetensors.torch import load_file, save_file
+from support import shared_data
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
 
@@ -33,7 +34,7 @@ from qwen_jax.models.mtp import mtp_forward, next_tokens_in_request
 from qwen_jax.weights import SafetensorsSource, WeightError, load_params
 from sharding import mesh, rules
 
-CONFIGS = "/work/shared/data/configs"
+CONFIGS = shared_data("configs")
 BLOCK = 8
 FP32_TOL = 1e-4
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import openai
 import pytest
 from server_harness import START_TIMEOUT_S, ServerThread, free_port, http_json
+from support import shared_data
 
 from qwen_jax.default_model import TEXT_CONFIG
 
-SHARED_TOKENIZER = Path(__file__).resolve().parents[2] / "../shared/data/qwen3_5_tokenizer"
+SHARED_TOKENIZER = shared_data("qwen3_5_tokenizer")
 VOCAB = 248320  # Qwen3.5's embedding rows
 ENGINE_ARGS = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=512, load_format="dummy",
                    dtype="float32", seed=0)

@@ -5,7 +5,6 @@ whole reply's content and calls."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -73,9 +72,8 @@ def test_calls_are_streamed_as_soon_as_they_close():
     assert calls_of(parser.feed(JSON_REPLY[first_end:])[1]) == JSON_CALLS[1:]
 
 
-def test_the_chat_templates_tool_call_format_is_recognised(default_model_dir):
-    shared = Path(__file__).resolve().parents[2] / "../shared/data/qwen3_5_tokenizer"
-    with open(shared / "chat_template.jinja") as f:
+def test_the_chat_templates_tool_call_format_is_recognised(default_model_dir, shared_data):
+    with open(shared_data / "qwen3_5_tokenizer" / "chat_template.jinja") as f:
         assert call_format(f.read()) == QWEN_XML
     assert call_format("{{ '<tool_call>\\n' + tool_call | tojson + '\\n</tool_call>' }}") == HERMES_JSON
     with open(f"{default_model_dir}/chat_template.jinja") as f:

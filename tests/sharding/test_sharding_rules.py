@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from sharding_tiny_models import tiny_config
+from support import shared_data
 
 from qwen_jax.config import load_config
 from qwen_jax.models import decoder
 from sharding import mesh, rules
 
-REAL = "/work/shared/data/configs/Qwen3.5-35B-A3B.json"
+REAL = str(shared_data("configs", "Qwen3.5-35B-A3B.json"))
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
