@@ -156,6 +156,9 @@ def check_args(args: argparse.Namespace) -> None:
     try:
         if args.model is not None:
             args.model = resolve_path(args.model)
+            if os.path.isdir(args.model) and not os.path.exists(os.path.join(args.model, "config.json")):
+                raise UsageError(f"{args.model} has no config.json: a model directory holds a Hugging Face "
+                                 f"config.json (and its *.safetensors, unless --load-format dummy)")
         if args.tokenizer is not None:
             args.tokenizer = resolve_path(args.tokenizer)
     except ModelNotFound as exc:

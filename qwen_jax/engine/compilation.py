@@ -28,6 +28,7 @@ import numpy as np
 
 from qwen_jax.engine import step
 from qwen_jax.engine.core_client import INHERITED_CONFIG
+from qwen_jax.engine.processes import COMPILE_WORKER, set_process_name
 from qwen_jax.engine.sampler import SamplingTensors
 from qwen_jax.layers.batch import ragged
 
@@ -102,6 +103,7 @@ def compile_worker(task_path: str) -> None:
     with open(task_path, "rb") as f:
         spec, names, store, jax_config = pickle.load(f)
     os.remove(task_path)
+    set_process_name(COMPILE_WORKER)
     _exit_with(os.getppid())
     logging.basicConfig(level=os.environ.get("QWEN_JAX_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s[compile]: %(message)s")

@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import zmq
 
+from qwen_jax.engine.processes import CORE, set_process_name
+
 log = logging.getLogger("qwen_jax")
 
 # How often an idle core wakes to check its pipe, and how often it sends its counters while busy.
@@ -41,6 +43,7 @@ def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outpu
     `env`: environment variables set before JAX starts (the devices this core sees); `part`: its share of a compile
     shared with the other cores (see above)."""
     os.environ.update(env)
+    set_process_name(CORE)
     name = "core" if part is None else f"core {part[0]}"
     logging.basicConfig(level=os.environ.get("QWEN_JAX_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s %(name)s[{name}]: %(message)s")
@@ -144,7 +147,7 @@ class CoreProcess:
         self.process = spawn.Process(target=run_core,
                                      args=(model_path, engine_args, warmup, inputs, outputs, jax_config, self.env,
                                            part),
-                                     name="qwen-jax-core", daemon=True)
+                                     name=CORE, daemon=True)
         self.process.start()
         self._reader = threading.Thread(target=self._read, name="qwen-jax-core-reader", daemon=True)
         self._reader.start()

@@ -47,6 +47,9 @@ def resolve_path(name: str) -> str:
 
 def _read_config(model_path: str) -> dict:
     path = os.path.join(model_path, "config.json") if os.path.isdir(model_path) else model_path
+    if not os.path.exists(path):
+        raise ModelNotFound(f"{model_path} has no config.json: a model directory holds a Hugging Face config.json "
+                            f"(and its *.safetensors, unless --load-format dummy)")
     with open(path) as f:
         return json.load(f)
 

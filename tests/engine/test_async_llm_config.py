@@ -4,6 +4,8 @@ Nothing is loaded or compiled here: only the checkpoint's config and tokenizer a
 
 from __future__ import annotations
 
+import pytest
+
 from qwen_jax.llm import AsyncLLM
 
 
@@ -14,3 +16,11 @@ def test_async_llm_limits_known_before_start(hybrid_dir, kit):
     assert default.eos_token_ids == [512, kit.EOS]  # config and generation_config
     assert default.config.vocab_size == kit.HYBRID_VOCAB
     assert AsyncLLM.from_engine_args(hybrid_dir, max_model_len=48).max_model_len == 48
+
+
+def test_a_model_directory_without_a_config_is_an_error_naming_it(tmp_path):
+    from qwen_jax import LLM, ModelNotFound
+
+    for build in (LLM, AsyncLLM.from_engine_args):
+        with pytest.raises(ModelNotFound, match=f"^{tmp_path} has no config.json"):
+            build(str(tmp_path))

@@ -6,6 +6,7 @@ import asyncio
 import multiprocessing
 import os
 import shutil
+import time
 
 import pytest
 
@@ -29,6 +30,12 @@ def test_a_launched_core_starts_before_the_front_reads_the_tokenizer(hybrid_dir,
     monkeypatch.setattr(llm_module, "load_tokenizer", recorded)
     assert not core_processes()
     engine = AsyncLLM.from_engine_args(hybrid_dir, launch=True, **kit.ENGINE_ARGS)
+    # it carries its name in `ps -e` / pgrep (the kernel's process name), set as it starts
+    comm = f"/proc/{engine._cores[0].process.pid}/comm"
+    deadline = time.monotonic() + 60
+    while open(comm).read().strip() != "qwen-jax-core" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open(comm).read().strip() == "qwen-jax-core"
     asyncio.run(engine.shutdown())
     assert cores_at_tokenizer == [[True]] and not core_processes()
 

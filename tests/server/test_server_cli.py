@@ -52,6 +52,15 @@ def test_a_hub_id_missing_from_the_local_cache_is_one_line_and_a_non_zero_exit(t
     assert str(tmp_path) in lines[0]
 
 
+def test_a_model_directory_without_a_config_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    result = run_cli("--model", str(tmp_path), "--port", str(free_port()))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"python -m server: error: {tmp_path} has no config.json: a model "
+                                                  f"directory holds a Hugging Face config.json (and its "
+                                                  f"*.safetensors, unless --load-format dummy)"]
+
+
 def test_a_port_in_use_is_one_line_before_the_model_loads(default_model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

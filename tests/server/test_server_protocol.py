@@ -9,6 +9,8 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import socket
+import time
 
 import pytest
 from server_harness import http_json, wait_idle
@@ -325,3 +327,15 @@ def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(
     assert_400_naming(status, body, "chat_template_kwargs.tokenize")
     status, _, body = http_json("POST", server.url + CHAT, {"messages": USER, "chat_template": "{{ 1 }}"})
     assert_400_naming(status, body, "chat_template")
+
+
+def test_a_declared_length_over_the_limit_gets_413_at_once_though_no_body_comes(server):
+    """A client that declares 10^12 bytes and sends none is answered from its header, not held until a timeout."""
+    host, port = server.url.removeprefix("http://").split(":")
+    began = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {COMP} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {10**12}\r\n\r\n".encode())
+        head = sock.recv(65536).decode("latin-1")
+    assert head.startswith("HTTP/1.1 413") and time.monotonic() - began < 5, head[:200]
+    assert_still_serving(server)
