@@ -8,6 +8,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+# JSON output (json, json_object): the longest run of whitespace allowed between two tokens by default. Unbounded,
+# a model can follow "{" with whitespace up to max_tokens (vLLM issue 38696: about 1 in 3 requests of Qwen3.5-9B); 16
+# still lets it print an indented object (a newline and a few levels of indentation).
+JSON_WHITESPACE_RUN = 16
+
 
 @dataclasses.dataclass
 class StructuredOutputsParams:
@@ -22,7 +27,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     structural_tag: dict | str | None = None
-    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (small models may loop on it)
+    # JSON's whitespace between tokens: at most JSON_WHITESPACE_RUN characters a run (the default), none
+    # (disable_any_whitespace, vLLM's field) or any (any_whitespace)
+    disable_any_whitespace: bool = False
+    any_whitespace: bool = False
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -42,8 +50,18 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
-        if not isinstance(self.json_object, bool) or not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.json_object and disable_any_whitespace must be booleans")
+        for name in ("json_object", "disable_any_whitespace", "any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a boolean")
+        if self.disable_any_whitespace and self.any_whitespace:
+            raise ValueError("structured_outputs: give disable_any_whitespace or any_whitespace, not both")
+
+    @property
+    def json_whitespace_run(self) -> int | None:
+        """The longest run of whitespace between JSON tokens: 0 (none), JSON_WHITESPACE_RUN, or None (any)."""
+        if self.disable_any_whitespace:
+            return 0
+        return None if self.any_whitespace else JSON_WHITESPACE_RUN
 
     @property
     def kind(self) -> str:

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
                    help="the most logprobs per token a request may ask for, at most the sampler's "
                         f"{SamplingParams.MAX_LOGPROBS} (default: %(default)s)")
+    p.add_argument("--json-whitespace", choices=("bounded", "any", "none"), default="bounded",
+                   help="whitespace between JSON tokens in structured outputs (response_format, structured_outputs) "
+                        "when a request does not say: runs of at most 16 characters, any, or none (a request's "
+                        "structured_outputs any_whitespace / disable_any_whitespace overrides it; default: "
+                        "%(default)s)")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503 "
                         "(default: %(default)s)")
@@ -343,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
                           max_num_seqs=running, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
-                          chat_template=args.chat_template, access_log=not args.disable_access_log)
+                          chat_template=args.chat_template, access_log=not args.disable_access_log,
+                          json_whitespace=args.json_whitespace)
     app = create_app(engine, config)
     return asyncio.run(serve(app, sock, args.graceful_timeout))
 

@@ -344,7 +344,8 @@ class ResponseFormat(_Model):
 
 
 class StructuredOutputs(_Model):
-    """vLLM's structured outputs: exactly one of these constrains the output."""
+    """vLLM's structured outputs: exactly one of these constrains the output. Beside `response_format` it may give
+    only the JSON whitespace options."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (or its text)")
     regex: Text | None = None
@@ -353,20 +354,33 @@ class StructuredOutputs(_Model):
     json_object: bool = False
     structural_tag: dict[str, Any] | str | None = Field(None, description="an xgrammar structural tag")
     disable_any_whitespace: bool = Field(False, description="JSON: no whitespace between tokens")
+    any_whitespace: bool = Field(False, description="JSON: whitespace runs of any length between tokens (by default "
+                                                    "at most 16 characters, or the server's --json-whitespace)")
 
     @model_validator(mode="after")
-    def _one_kind(self) -> StructuredOutputs:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                 if getattr(self, "json_" if name == "json" else name) not in (None, False)]
-        if len(given) != 1:
+    def _at_most_one_kind(self) -> StructuredOutputs:
+        if len(self.kinds) > 1:
             raise APIError(f"'structured_outputs' needs exactly one of json, regex, choice, grammar, json_object, "
-                           f"structural_tag; got {', '.join(given) or 'none'}", param="structured_outputs")
+                           f"structural_tag; got {', '.join(self.kinds)}", param="structured_outputs")
+        if self.disable_any_whitespace and self.any_whitespace:
+            raise APIError("give 'disable_any_whitespace' or 'any_whitespace', not both",
+                           param="structured_outputs.any_whitespace")
         return self
 
-    def params(self) -> StructuredOutputsParams:
+    @property
+    def kinds(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                if getattr(self, "json_" if name == "json" else name) not in (None, False)]
+
+    @property
+    def whitespace(self) -> dict[str, bool]:
+        """The JSON whitespace options given (none: the server's default)."""
+        return {name: True for name in ("disable_any_whitespace", "any_whitespace") if getattr(self, name)}
+
+    def params(self, **whitespace: bool) -> StructuredOutputsParams:
         return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
                                        json_object=self.json_object, structural_tag=self.structural_tag,
-                                       disable_any_whitespace=self.disable_any_whitespace)
+                                       **(self.whitespace or whitespace))
 
 
 def _arguments(text: str, param: str) -> dict:
@@ -520,7 +534,12 @@ class _Sampling(_Model):
             raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(f"'best_of' ({self.best_of}) must be at least n ({self.n})", param="best_of")
-        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+        so, fmt = self.structured_outputs, self.response_format
+        if so is not None and not so.kinds and (fmt is None or fmt.type == "text"):
+            raise APIError("'structured_outputs' needs exactly one of json, regex, choice, grammar, json_object, "
+                           "structural_tag (only its whitespace options go beside a JSON 'response_format')",
+                           param="structured_outputs")
+        if fmt is not None and fmt.type != "text" and so is not None and so.kinds:
             raise APIError("give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
         if self.stream and self.candidates > self.n:
             raise APIError("'best_of' larger than n needs every candidate finished before choosing: not with "
@@ -550,16 +569,20 @@ class _Sampling(_Model):
     def max_tokens_given(self) -> int | None:
         return self.max_tokens
 
-    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
-        """What the output must match, from response_format or structured_outputs, and the parameter that asked."""
-        if self.structured_outputs is not None:
-            return self.structured_outputs.params(), "structured_outputs"
-        fmt = self.response_format
+    def constraint(self, **whitespace: bool) -> tuple[StructuredOutputsParams, str] | None:
+        """What the output must match, from response_format or structured_outputs, and the parameter that asked.
+        `whitespace`: the JSON whitespace option (StructuredOutputsParams' field) when the request gives none."""
+        so, fmt = self.structured_outputs, self.response_format
+        if so is not None and so.kinds:
+            return so.params(**whitespace), "structured_outputs"
+        if so is not None:
+            whitespace = so.whitespace
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True), "response_format"
-        return StructuredOutputsParams(json=fmt.json_schema.json_schema), "response_format.json_schema.schema"
+            return StructuredOutputsParams(json_object=True, **whitespace), "response_format"
+        return (StructuredOutputsParams(json=fmt.json_schema.json_schema, **whitespace),
+                "response_format.json_schema.schema")
 
     def sampling_params(self) -> SamplingParams:
         """The engine's parameters; max_tokens is a placeholder when not given (the room left fills it per prompt).

@@ -34,6 +34,10 @@ log = logging.getLogger("qwen_jax.server")
 WRITE_SECONDS = 5.0
 
 
+# --json-whitespace -> the StructuredOutputsParams field that asks for it
+JSON_WHITESPACE = {"bounded": {}, "any": {"any_whitespace": True}, "none": {"disable_any_whitespace": True}}
+
+
 @dataclasses.dataclass
 class ServerConfig:
     served_model_name: str | None = None
@@ -43,6 +47,9 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_logprobs: int = 20  # the most logprobs per token a request may ask for (the sampler's limit)
     chat_template: str | None = None  # None: the tokenizer's
+    # JSON output's whitespace between tokens when a request does not say: "bounded" (runs of at most
+    # JSON_WHITESPACE_RUN characters), "any" or "none"
+    json_whitespace: str = "bounded"
     access_log: bool = True  # a log line per request
 
 
@@ -322,7 +329,7 @@ class Serving:
 
     def constraint(self, req: GenerationRequest) -> tuple[StructuredOutputsParams, str] | None:
         """What the request's output must match and the parameter that asked for it (None: free text)."""
-        return req.constraint()
+        return req.constraint(**JSON_WHITESPACE[self.state.config.json_whitespace])
 
     def _checked_constraint(self, req: GenerationRequest) -> StructuredOutputsParams | None:
         """The constraint with its grammar parsed: a 400 naming the parameter when it does not parse. Runs on a

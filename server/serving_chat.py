@@ -155,9 +155,10 @@ def after_thinking(spec: StructuredOutputsParams) -> StructuredOutputsParams:
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema = json.loads(spec.source)
-        # no whitespace run longer than the one space of ", " and ": " (a structural tag has no whitespace switch)
+        # the spec's whitespace run (a structural tag has no switch to none: no run longer than ", " has)
+        run = spec.json_whitespace_run
         reply = {"type": "json_schema", "json_schema": schema,
-                 **({"max_whitespace_cnt": 1} if spec.disable_any_whitespace else {})}
+                 **({} if run is None else {"max_whitespace_cnt": max(run, 1)})}
     elif kind == "regex":
         reply = {"type": "regex", "pattern": spec.regex}
     else:  # grammar, choice: EBNF

@@ -38,7 +38,7 @@ def check(spec: StructuredOutputsParams) -> None:
     kind, source = spec.kind, spec.source
     try:
         if kind in ("json", "json_object"):
-            xgr.Grammar.from_json_schema(source, any_whitespace=not spec.disable_any_whitespace)
+            xgr.Grammar.from_json_schema(source, **_whitespace(spec))
         elif kind == "regex":
             xgr.Grammar.from_regex(source)
         elif kind == "structural_tag":
@@ -107,7 +107,7 @@ class GrammarCompiler:
         kind, source = spec.kind, spec.source
         try:
             if kind in ("json", "json_object"):
-                return compiler.compile_json_schema(source, any_whitespace=not spec.disable_any_whitespace)
+                return compiler.compile_json_schema(source, **_whitespace(spec))
             if kind == "regex":
                 return compiler.compile_regex(source)
             if kind == "structural_tag":
@@ -129,6 +129,14 @@ class GrammarCompiler:
             self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS,
                                                  cache_limit_bytes=CACHE_LIMIT_BYTES)
         return self._compiler
+
+
+def _whitespace(spec: StructuredOutputsParams) -> dict:
+    """xgrammar's JSON whitespace options for the spec's json_whitespace_run."""
+    run = spec.json_whitespace_run
+    if run == 0:
+        return dict(any_whitespace=False)
+    return dict(any_whitespace=True) if run is None else dict(any_whitespace=True, max_whitespace_cnt=run)
 
 
 def _encoded_vocab(tokenizer, vocab_size: int) -> list[str]:

@@ -9,7 +9,9 @@ The model's weights are random: the grammar engine forces the call's shape and i
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -145,3 +147,69 @@ def test_tool_requests_that_cannot_be_served_are_400(tools_server, body, param):
     status, _, reply = http_json("POST", tools_server.url + "/v1/chat/completions",
                                  {"messages": ASK, "max_tokens": 4, **body})
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+# ---- JSON output on the same server (Qwen3.5's 248k-token vocabulary holds hundreds of whitespace tokens) ----------
+WEATHER_SCHEMA = WEATHER["function"]["parameters"]
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|"[^"]*$')  # JSON strings (and one left open by max_tokens)
+_WHITESPACE_RUN = re.compile(r"[ \t\n\r]+")
+
+
+def longest_whitespace_run(text: str) -> int:
+    """The longest whitespace run between JSON tokens (string contents set aside: spaces are text there)."""
+    return max((len(m) for m in _WHITESPACE_RUN.findall(_STRINGS.sub('""', text))), default=0)
+
+
+def json_replies(client, response_format: dict, **extra) -> list[str]:
+    def one(seed: int) -> str:
+        return client.chat.completions.create(model="tools", messages=ASK, max_tokens=64, temperature=1.0, seed=seed,
+                                              response_format=response_format, **extra).choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, range(12)))
+
+
+def test_json_schema_output_finishes_and_matches_at_every_seed(client):
+    """Unbounded whitespace let the random model fill max_tokens with it after "{" (0 of 12 parsed); runs of at most
+    16 characters (the default) leave it room to finish."""
+    replies = json_replies(client, {"type": "json_schema", "json_schema": {"name": "weather",
+                                                                            "schema": WEATHER_SCHEMA}})
+    for reply in replies:
+        value = json.loads(reply)
+        assert set(value) == {"city", "days"} and value["city"] in ("Paris", "Tokyo", "Lima")
+        assert isinstance(value["days"], int) and 1 <= value["days"] <= 7
+
+
+def test_json_object_whitespace_is_bounded_unless_a_request_asks_for_any(client):
+    bounded = json_replies(client, {"type": "json_object"})
+    assert max(longest_whitespace_run(r) for r in bounded) <= 16, bounded
+    # structured_outputs' whitespace option beside response_format (vLLM's response_format path cannot reach it)
+    free = json_replies(client, {"type": "json_object"}, extra_body={"structured_outputs": {"any_whitespace": True}})
+    assert max(longest_whitespace_run(r) for r in free) > 16, free
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"structured_outputs": {"any_whitespace": True}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"},
+      "structured_outputs": {"any_whitespace": True, "disable_any_whitespace": True}},
+     "structured_outputs.any_whitespace"),
+])
+def test_whitespace_options_without_json_or_both_at_once_are_400(tools_server, body, param):
+    status, _, reply = http_json("POST", tools_server.url + "/v1/chat/completions",
+                                 {"model": "tools", "messages": ASK, "max_tokens": 4, **body})
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+@pytest.mark.parametrize("server_default,request_options,run", [
+    ("bounded", {}, 16), ("any", {}, None), ("none", {}, 0),
+    ("none", {"any_whitespace": True}, None), ("any", {"disable_any_whitespace": True}, 0),
+])
+def test_the_servers_json_whitespace_applies_where_a_request_gives_none(server_default, request_options, run):
+    from server.protocol import ChatCompletionRequest, validate
+    from server.serving import JSON_WHITESPACE
+
+    body = {"messages": ASK, "response_format": {"type": "json_object"}}
+    if request_options:
+        body["structured_outputs"] = request_options
+    spec, _ = validate(ChatCompletionRequest, body).constraint(**JSON_WHITESPACE[server_default])
+    assert spec.json_whitespace_run == run
