@@ -127,17 +127,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compilation-cache-dir", default=os.environ.get("QWEN_JAX_COMPILATION_CACHE"),
                    help="JAX persistent compilation cache; 'none' turns it off (default: "
                         "$QWEN_JAX_COMPILATION_CACHE, else ~/.cache/qwen_jax/jax_compilation_cache)")
-    p.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+    p.add_argument("--disable-access-log", "--disable-uvicorn-access-log", "--disable-log-requests",
+                   action="store_true",
                    help="no log line per request (method, path, status, latency) (default: one line each)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="the least severe log records written (default: %(default)s)")
+    vllm = p.add_argument_group("vllm serve's flags for what this server always does or decides itself")
+    vllm.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="tool_choice 'auto' (always on here: a chat template that renders tools gets them, and "
+                           "the reply is parsed for calls) (default: on)")
+    vllm.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                      help="the format a forced tool call (tool_choice 'required' or a named function) is written "
+                           "in: qwen3_coder / qwen3_xml, Qwen3.5's XML; hermes, Qwen3's JSON; replies are parsed "
+                           "in either (default: the one the chat template teaches)")
+    vllm.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                      help="the think block (<think>...</think>) goes to reasoning_content; these parsers' tags are "
+                           "the ones split (default: on)")
+    vllm.add_argument("--block-size", type=int, default=None,
+                      help=engine("block_size", "tokens per KV cache block"))
+    vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                      help="prompts longer than a step's token budget are prefilled over several steps (always on "
+                           "here; --no-enable-chunked-prefill is refused) (default: on)")
+    vllm.add_argument("--kv-cache-dtype", default="auto",
+                      help="the KV cache's type: auto, the activations' (another type, such as fp8, is refused: "
+                           "nothing that changes outputs vs BF16) (default: %(default)s)")
+    vllm.add_argument("--enable-lora", action="store_true", help="refused: no LoRA adapters (default: off)")
+    vllm.add_argument("--disable-log-stats", action="store_true",
+                      help="accepted; this server logs no periodic stats (they are at /metrics) (default: off)")
+    for flag, what in REFUSED_FLAGS.items():
+        vllm.add_argument(flag, default=None, help=f"refused: {what} (default: none)")
     return p
+
+
+# vllm serve's --tool-call-parser names -> the format of the tool-call grammar (server/tools.py)
+TOOL_CALL_PARSERS = {"qwen3_coder": "qwen_3_5", "qwen3_xml": "qwen_3_5", "hermes": "qwen_3"}
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# vllm serve's flags for what this engine does not do: giving one is a one-line error at start (exit 2)
+REFUSED_FLAGS = {
+    "--quantization": "weights stay in BF16 (no quantization)",
+    "--lora-modules": "no LoRA adapters",
+    "--limit-mm-per-prompt": "text only (no images or other media)",
+}
 
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
                 "load_format", "dtype", "seed", "kernels", "num_scheduler_steps", "speculative_config", "num_hosts",
-                "host_index", "coordinator_address", "tokenizer")
+                "host_index", "coordinator_address", "tokenizer", "block_size")
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -170,6 +206,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
     if args.chat_template is not None:
         args.chat_template = read_chat_template(args.chat_template)
+    for flag, what in REFUSED_FLAGS.items():
+        if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
+            raise UsageError(f"{flag} is not supported: {what}")
+    if args.enable_lora:
+        raise UsageError(f"--enable-lora is not supported: {REFUSED_FLAGS['--lora-modules']}")
+    if args.kv_cache_dtype != "auto":
+        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported: the KV cache keeps the "
+                         f"activations' type (auto)")
+    if args.enable_chunked_prefill is False:
+        raise UsageError("--no-enable-chunked-prefill is not supported: long prompts are always prefilled in chunks")
     try:
         check_speculative_config(args.speculative_config)
     except ValueError as exc:
@@ -349,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_num_seqs=running, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
                           chat_template=args.chat_template, access_log=not args.disable_access_log,
-                          json_whitespace=args.json_whitespace)
+                          json_whitespace=args.json_whitespace,
+                          tool_call_format=TOOL_CALL_PARSERS.get(args.tool_call_parser))
     app = create_app(engine, config)
     return asyncio.run(serve(app, sock, args.graceful_timeout))
 

@@ -50,6 +50,8 @@ class ServerConfig:
     # JSON output's whitespace between tokens when a request does not say: "bounded" (runs of at most
     # JSON_WHITESPACE_RUN characters), "any" or "none"
     json_whitespace: str = "bounded"
+    # the format a forced tool call is written in (server/tools.py QWEN_XML or HERMES_JSON; None: the template's)
+    tool_call_format: str | None = None
     access_log: bool = True  # a log line per request
 
 

@@ -136,6 +136,8 @@ class ChatServing(Serving):
             raise APIError("a forced tool call ('tool_choice' 'required' or a named function) cannot be combined "
                            "with 'response_format' or 'structured_outputs'", param="tool_choice")
         fmt = call_format(self.state.config.chat_template or getattr(self.state.tokenizer, "chat_template", None))
+        if fmt is not None and self.state.config.tool_call_format is not None:  # --tool-call-parser
+            fmt = self.state.config.tool_call_format
         if fmt is None:
             raise APIError("this model's chat template renders no tools, so no tool call can be forced: use "
                            "'tool_choice' 'auto' or 'none'", param="tool_choice")

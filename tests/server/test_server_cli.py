@@ -79,11 +79,19 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(default_model_dir):
     (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "--speculative-config: method"),
     (["--layout", "XP=2"], "--layout 'XP=2': expected parts like DP=2, TP=2, EP or EP=2"),
     (["--layout", "DP=2", "-tp", "2"], "--layout DP=2 and -tp both set the layout: give one"),
+    (["--quantization", "fp8"], "--quantization is not supported: weights stay in BF16"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported"),
+    (["--enable-lora"], "--enable-lora is not supported: no LoRA adapters"),
+    (["--lora-modules", "a=/x"], "--lora-modules is not supported: no LoRA adapters"),
+    (["--limit-mm-per-prompt", '{"image": 1}'], "--limit-mm-per-prompt is not supported: text only"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
+    (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
 ])
 def test_bad_flags_are_one_line(args, message):
     result = run_cli(*args, "--port", str(free_port()))
-    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1
-    assert message in result.stderr
+    assert result.returncode == 2 and message in result.stderr
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("python -m server: error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
 
 
 @pytest.fixture
@@ -104,7 +112,11 @@ def test_a_server_from_a_cached_hub_id_honours_its_flags(tmp_path, hub_cache, co
     url = f"http://127.0.0.1:{port}"
     command = server_command(port, "qwen-jax/tiny", compilation_cache_dir, "--tokenizer", "qwen-jax/tiny",
                              "--chat-template", str(template), "--max-logprobs", "3", "--trust-remote-code",
-                             "--served-model-name", "org/tiny", "--disable-access-log")
+                             "--served-model-name", "org/tiny", "--disable-log-requests",
+                             # Qwen's published vllm serve flags, and others vLLM users pass
+                             "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser",
+                             "qwen3", "--block-size", "8", "--enable-chunked-prefill", "--kv-cache-dtype", "auto",
+                             "--disable-log-stats")
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -129,7 +141,8 @@ def test_a_server_from_a_cached_hub_id_honours_its_flags(tmp_path, hub_cache, co
     text = log_path.read_text()
     assert "--trust-remote-code is not needed" in text
     assert "hub/models--qwen-jax--tiny/snapshots/0123456789abcdef" in text  # the model came from the cache
-    assert "qwen_jax.access" not in text  # --disable-access-log
+    assert "qwen_jax.access" not in text  # --disable-log-requests
+    assert "blocks x 8 tokens" in text  # --block-size
     assert "Traceback" not in text
 
 

@@ -213,3 +213,22 @@ def test_the_servers_json_whitespace_applies_where_a_request_gives_none(server_d
         body["structured_outputs"] = request_options
     spec, _ = validate(ChatCompletionRequest, body).constraint(**JSON_WHITESPACE[server_default])
     assert spec.json_whitespace_run == run
+
+
+def test_the_tool_call_parser_flag_chooses_the_format_of_a_forced_call(tools_server):
+    """--tool-call-parser hermes on a template that teaches Qwen3.5's XML: a forced call is written as Hermes JSON."""
+    from server.protocol import ChatCompletionRequest, validate
+    from server.serving_chat import ChatServing
+    from server.tools import HERMES_JSON, QWEN_XML, forcing_tag
+
+    state = tools_server.app.extensions["qwen_jax"]
+    req = validate(ChatCompletionRequest, {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    serving = ChatServing(state)
+    assert serving.constraint(req)[0].structural_tag == forcing_tag(QWEN_XML, tools, "required", False, True)
+    state.config.tool_call_format = HERMES_JSON
+    try:
+        forced = serving.constraint(req)[0].structural_tag
+    finally:
+        state.config.tool_call_format = None
+    assert forced == forcing_tag(HERMES_JSON, tools, "required", False, True)
