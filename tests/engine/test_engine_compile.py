@@ -61,20 +61,6 @@ def test_token_buckets_cover_every_plan():
             assert size < 2 * tokens or size <= 1 or size == buckets[0]  # never more than twice the tokens
 
 
-def test_full_warmup_leaves_nothing_to_compile(llama_dir, kit):
-    """After warmup(full=True) a mixed workload (prefill chunks of several lengths next to decode rows, batch sizes
-    1 to max_num_seqs) compiles no forward and no input-staging program: serving never stalls on a compile."""
-    llm = LLM(llama_dir, kernels="gpu", **kit.ENGINE_ARGS)
-    llm.engine.warmup(full=True)
-    buckets = llm.engine.replicas[0].runner.token_buckets
-    warm = kit.compile_counts(llm)
-    prompts = [kit.prompt(n, seed=700 + n, vocab=kit.LLAMA_VOCAB) for n in (3, 40, 17, 60, 9, 33)]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * len(prompts))
-    assert [len(o.token_ids) for o in outs] == [4] * len(prompts)
-    after = kit.compile_counts(llm)
-    assert (after["forward"], after["stage"]) == (warm["forward"], warm["stage"]) == (len(buckets), len(buckets))
-
-
 class CompileCounter:
     """Counts XLA compiles (JAX's backend-compile events) while it is on."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -80,11 +81,6 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(default_model_dir):
     (["--layout", "XP=2"], "--layout 'XP=2': expected parts like DP=2, TP=2, EP or EP=2"),
     (["--layout", "DP=2", "-tp", "2"], "--layout DP=2 and -tp both set the layout: give one"),
     (["--quantization", "fp8"], "--quantization is not supported: weights stay in BF16"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported"),
-    (["--enable-lora"], "--enable-lora is not supported: no LoRA adapters"),
-    (["--lora-modules", "a=/x"], "--lora-modules is not supported: no LoRA adapters"),
-    (["--limit-mm-per-prompt", '{"image": 1}'], "--limit-mm-per-prompt is not supported: text only"),
-    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
     (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
 ])
 def test_bad_flags_are_one_line(args, message):
@@ -92,6 +88,21 @@ def test_bad_flags_are_one_line(args, message):
     assert result.returncode == 2 and message in result.stderr
     errors = [line for line in result.stderr.strip().splitlines() if line.startswith("python -m server: error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported"),
+    (["--enable-lora"], "--enable-lora is not supported: no LoRA adapters"),
+    (["--lora-modules", "a=/x"], "--lora-modules is not supported: no LoRA adapters"),
+    (["--limit-mm-per-prompt", '{"image": 1}'], "--limit-mm-per-prompt is not supported: text only"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
+])
+def test_vllm_flags_for_what_this_engine_does_not_do_are_refused_before_anything_loads(args, message):
+    """(The same UsageError as --quantization's above, which the real command line turns into one line, exit 2.)"""
+    from server.__main__ import UsageError, build_parser, check_args
+
+    with pytest.raises(UsageError, match=re.escape(message)):
+        check_args(build_parser().parse_args(args))
 
 
 @pytest.fixture
