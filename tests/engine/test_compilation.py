@@ -131,8 +131,8 @@ def test_compile_workers_start_before_the_weights_are_read_and_the_warmed_core_g
         return load_params(self, *args)
 
     prompt, params = kit.prompt(20, seed=1301), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    # few programs to compile: one request at a time, 16-token steps, no drafts
-    args = dict(kit.ENGINE_ARGS, max_num_seqs=1, max_num_batched_tokens=16, speculative_config="off")
+    # few programs to compile: one request at a time, 4-token steps, no drafts
+    args = dict(kit.ENGINE_ARGS, max_num_seqs=1, max_num_batched_tokens=4, speculative_config="off")
     expected = LLM(hybrid_mtp_dir, **args).generate([prompt], params)[0].token_ids
     for module in (compilation, replica_module):
         monkeypatch.setattr(module, "uses_workers", lambda mesh: True)
