@@ -136,8 +136,8 @@ class AsyncLLM:
         try:
             self._read_model(model_path, engine_args)
         except BaseException:
-            for core in self._cores:
-                core.close()
+            for core in self._cores:  # still starting: stopped at once
+                core.close(0.0)
             raise
 
     def _read_model(self, model_path: str, engine_args: dict) -> None:
