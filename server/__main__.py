@@ -24,6 +24,7 @@ log = logging.getLogger("qwen_jax.server")
 def build_parser() -> argparse.ArgumentParser:
     """The command line: vllm-serve's flag names; every flag's help ends with its default."""
     from qwen_jax import ENGINE_ARGS, LOAD_FORMATS
+    from server.serving import JSON_WHITESPACE
 
     def engine(name: str, text: str) -> str:
         """Help for an engine flag, whose default is the engine's (ENGINE_ARGS) and is shown as such."""
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
                    help="the most logprobs per token a request may ask for, at most the sampler's "
                         f"{SamplingParams.MAX_LOGPROBS} (default: %(default)s)")
-    p.add_argument("--json-whitespace", choices=("bounded", "any", "none"), default="bounded",
+    p.add_argument("--json-whitespace", choices=tuple(JSON_WHITESPACE), default="bounded",
                    help="whitespace between JSON tokens in structured outputs (response_format, structured_outputs) "
                         "when a request does not say: runs of at most 16 characters, any, or none (a request's "
                         "structured_outputs any_whitespace / disable_any_whitespace overrides it; default: "
@@ -188,7 +189,7 @@ class UsageError(Exception):
 def check_args(args: argparse.Namespace) -> None:
     """Resolve the model, tokenizer and chat template and check the flags, before anything loads; a problem is a
     UsageError."""
-    from qwen_jax import ModelNotFound, check_speculative_config, parse_layout, resolve_path
+    from qwen_jax import ModelNotFound, check_speculative_config, parse_layout, read_model_config, resolve_path
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -197,9 +198,7 @@ def check_args(args: argparse.Namespace) -> None:
     try:
         if args.model is not None:
             args.model = resolve_path(args.model)
-            if os.path.isdir(args.model) and not os.path.exists(os.path.join(args.model, "config.json")):
-                raise UsageError(f"{args.model} has no config.json: a model directory holds a Hugging Face "
-                                 f"config.json (and its *.safetensors, unless --load-format dummy)")
+            read_model_config(args.model)  # a directory without config.json: ModelNotFound, in one line
         if args.tokenizer is not None:
             args.tokenizer = resolve_path(args.tokenizer)
     except ModelNotFound as exc:

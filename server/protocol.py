@@ -343,6 +343,9 @@ class ResponseFormat(_Model):
         return self
 
 
+ONE_KIND = f"'structured_outputs' needs exactly one of {', '.join(StructuredOutputsParams.KINDS)}"
+
+
 class StructuredOutputs(_Model):
     """vLLM's structured outputs: exactly one of these constrains the output. Beside `response_format` it may give
     only the JSON whitespace options."""
@@ -360,8 +363,7 @@ class StructuredOutputs(_Model):
     @model_validator(mode="after")
     def _at_most_one_kind(self) -> StructuredOutputs:
         if len(self.kinds) > 1:
-            raise APIError(f"'structured_outputs' needs exactly one of json, regex, choice, grammar, json_object, "
-                           f"structural_tag; got {', '.join(self.kinds)}", param="structured_outputs")
+            raise APIError(f"{ONE_KIND}; got {', '.join(self.kinds)}", param="structured_outputs")
         if self.disable_any_whitespace and self.any_whitespace:
             raise APIError("give 'disable_any_whitespace' or 'any_whitespace', not both",
                            param="structured_outputs.any_whitespace")
@@ -369,7 +371,7 @@ class StructuredOutputs(_Model):
 
     @property
     def kinds(self) -> list[str]:
-        return [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+        return [name for name in StructuredOutputsParams.KINDS
                 if getattr(self, "json_" if name == "json" else name) not in (None, False)]
 
     @property
@@ -536,8 +538,7 @@ class _Sampling(_Model):
             raise APIError(f"'best_of' ({self.best_of}) must be at least n ({self.n})", param="best_of")
         so, fmt = self.structured_outputs, self.response_format
         if so is not None and not so.kinds and (fmt is None or fmt.type == "text"):
-            raise APIError("'structured_outputs' needs exactly one of json, regex, choice, grammar, json_object, "
-                           "structural_tag (only its whitespace options go beside a JSON 'response_format')",
+            raise APIError(f"{ONE_KIND} (only its whitespace options go beside a JSON 'response_format')",
                            param="structured_outputs")
         if fmt is not None and fmt.type != "text" and so is not None and so.kinds:
             raise APIError("give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
