@@ -152,11 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--kv-cache-dtype", default="auto",
                       help="the KV cache's type: auto, the activations' (another type, such as fp8, is refused: "
                            "nothing that changes outputs vs BF16) (default: %(default)s)")
-    vllm.add_argument("--enable-lora", action="store_true", help="refused: no LoRA adapters (default: off)")
     vllm.add_argument("--disable-log-stats", action="store_true",
                       help="accepted; this server logs no periodic stats (they are at /metrics) (default: off)")
     for flag, what in REFUSED_FLAGS.items():
-        vllm.add_argument(flag, default=None, help=f"refused: {what} (default: none)")
+        switch = flag in REFUSED_SWITCHES
+        vllm.add_argument(flag, default=None, action="store_true" if switch else "store",
+                          help=f"refused: {what} (default: {'off' if switch else 'none'})")
     return p
 
 
@@ -166,9 +167,11 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # vllm serve's flags for what this engine does not do: giving one is a one-line error at start (exit 2)
 REFUSED_FLAGS = {
     "--quantization": "weights stay in BF16 (no quantization)",
+    "--enable-lora": "no LoRA adapters",
     "--lora-modules": "no LoRA adapters",
     "--limit-mm-per-prompt": "text only (no images or other media)",
 }
+REFUSED_SWITCHES = ("--enable-lora",)  # of those, the flags that take no value
 
 
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
@@ -208,8 +211,6 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, what in REFUSED_FLAGS.items():
         if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
             raise UsageError(f"{flag} is not supported: {what}")
-    if args.enable_lora:
-        raise UsageError(f"--enable-lora is not supported: {REFUSED_FLAGS['--lora-modules']}")
     if args.kv_cache_dtype != "auto":
         raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported: the KV cache keeps the "
                          f"activations' type (auto)")
