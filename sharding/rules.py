@@ -192,12 +192,10 @@ def constrain_cache(cfg: ModelConfig, mesh: Mesh, cache: dict) -> dict:
 
 
 def cache_bytes_per_device(cfg: ModelConfig, mesh: Mesh, num_blocks: int, block_size: int, num_slots: int) -> int:
-    """Bytes of a cache of this geometry on each device (the largest shard of every leaf; replicated leaves whole)."""
-    shapes = decoder.cache_shapes(cfg, num_blocks, block_size, num_slots)
-    specs = cache_specs(cfg, mesh, num_blocks, block_size, num_slots)
-    return sum(-(-s.size // num_shards(spec, mesh)) * s.dtype.itemsize
-               for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
-                                  strict=True))
+    """Bytes of a cache of this geometry on each device (its shard of every leaf; replicated leaves whole)."""
+    return shard_bytes(jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                    decoder.cache_shapes(cfg, num_blocks, block_size, num_slots),
+                                    cache_shardings(cfg, mesh, num_blocks, block_size, num_slots)))
 
 
 def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
