@@ -79,8 +79,8 @@ async def _drain(receive: Receive) -> None:
 
 
 def _ended(receive: Receive) -> Receive:
-    """A receive whose body is over at once (the real one is drained after the answer); later calls wait on the real
-    one (for the client's disconnect)."""
+    """A receive whose body is over at once (the real one has been drained); later calls wait on the real one (for
+    the client's disconnect)."""
     done = False
 
     async def ended() -> dict[str, Any]:
