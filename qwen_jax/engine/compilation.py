@@ -82,9 +82,11 @@ def working_bytes(compiled: jax.stages.Compiled) -> int | None:
 
 
 @functools.cache
+@functools.cache
 def source_digest() -> str:
     """A digest of this engine's source (qwen_jax, sharding, pallas_kernels): stored programs of other code are
-    never loaded."""
+    never loaded. Read once a process (a core asks for its program store when it starts its workers and again when
+    it loads their programs)."""
     digest = hashlib.sha256()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for package in ("qwen_jax", "sharding", "pallas_kernels"):
