@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,9 +47,9 @@ COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "0")) or max(2,
 _WORKERS = os.environ.get("QWEN_JAX_COMPILE_WORKERS")
 COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, min(COMPILE_THREADS - 1, 8))
 
-# Sampler variants compiled ahead for every request count: the top-k / top-p path (sampler.cut_path), top logprobs
-# (none or the API maximum) and penalties. Batches with logit_bias, min_tokens bans or grammar masks have layouts of
-# their own, jitted on first use.
+# Sampler variants compiled ahead for every request count: the top-k / top-p path (sampler.cut_path) and top logprobs
+# (none or the API maximum); each applies penalties (runner._sampler). Batches with logit_bias, min_tokens bans or
+# grammar masks have layouts of their own, jitted on first use.
 SAMPLER_PATHS = (0, 1, 2)
 # How long a core whose own compile workers are done waits for the other cores' share of the programs before it
 # compiles what is still missing itself.
@@ -58,6 +59,8 @@ OTHERS_GRACE_S = 60.0
 WORKING_MEMORY_SHARE = 0.9
 # How a compile worker's out-of-device-memory failure reads (XLA's status code)
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
+# Threads that read and load stored programs at once (a restart loads every program from the store)
+LOAD_THREADS = 8
 
 
 @dataclasses.dataclass
@@ -99,11 +102,13 @@ def source_digest() -> str:
 
 def compile_worker(task_path: str) -> None:
     """A compile worker process (`python -c`, started by Compiler._from_workers): read its task (the runner spec of
-    Compiler.worker_spec, the programs' names, the store, JAX's settings) from `task_path`, build the runner's
-    abstract twin on this process's devices (the core's, inherited), then lower and compile each program, stored
+    Compiler.worker_spec, the programs' names, the store, the claims folder, JAX's settings) from `task_path`, build
+    the runner's abstract twin on this process's devices (the core's, inherited), then take the programs in order,
+    each one no other worker of the same start has claimed (`claim`): the workers share one queue, the largest
+    programs first, so none idles while another still has several to do. Each is lowered, compiled and stored
     serialized in the store as soon as it is done (written whole, then renamed: a reader never sees half a file)."""
     with open(task_path, "rb") as f:
-        spec, names, store, jax_config = pickle.load(f)
+        spec, names, store, claims, jax_config = pickle.load(f)
     os.remove(task_path)
     set_process_name(COMPILE_WORKER)
     _exit_with(os.getppid())
@@ -123,6 +128,8 @@ def compile_worker(task_path: str) -> None:
     jobs = {job.name: job for job in runner.compiler.jobs(spec["sizes"])}
     for name in names:
         job = jobs[name]
+        if os.path.exists(os.path.join(store, job.file_name)) or not claim(claims, job.file_name):
+            continue
         began = time.perf_counter()
         try:
             lowered = job.lower()
@@ -140,6 +147,16 @@ def compile_worker(task_path: str) -> None:
         with open(path + f".{os.getpid()}.tmp", "wb") as f:
             pickle.dump(stored, f)
         os.replace(path + f".{os.getpid()}.tmp", path)
+
+
+def claim(claims: str, name: str) -> bool:
+    """Whether this process is the first to claim program `name` in the folder `claims` (one folder per start of
+    workers): the claim file's creation is atomic, so exactly one worker compiles each program."""
+    try:
+        os.close(os.open(os.path.join(claims, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _exit_with(parent: int) -> None:
@@ -172,6 +189,7 @@ class Compiler:
         self.held_back: float | None = None  # device memory left beside the caches (None: not known)
         self.memory_checked = False
         self._workers: list[subprocess.Popen] = []  # this core's compile worker processes
+        self._claims: list[str] = []  # their claims folders (compile_worker), removed once they are done
         self._begun: tuple[list[Job], list[subprocess.Popen]] | None = None  # (its jobs, workers) started by begin
 
     # ---- abstract inputs ---------------------------------------------------------------------------------------
@@ -225,11 +243,12 @@ class Compiler:
                 variants.add((k, r.max_verify_rounds))
         return sorted(variants)
 
-    def jobs(self, sizes: list[int], every_sampler: bool = True) -> list[Job]:
+    def jobs(self, sizes: list[int], full: bool = True) -> list[Job]:
         """Every program not compiled yet that steps of the token buckets `sizes` can run: per bucket its forward
         (and input staging), several-step decode, the MTP head's program, verify steps and their staging; per
-        request count its samplers (`every_sampler`: every variant, else the greedy / temperature-only and top-k
-        ones). Largest buckets first: they take longest to compile."""
+        request count its samplers; per count of sequences entering a batch at once its snapshot copies and penalty
+        resets (`row_counts`). `full`: every sampler variant and row count, else the greedy / temperature-only and
+        top-k samplers and one row. Largest buckets first: they take longest to compile."""
         r = self.runner
         jobs = []
         for size in sorted(sizes, reverse=True):
@@ -247,13 +266,21 @@ class Compiler:
                                         *self._verifier(size, k, rounds)))
         for requests in sorted({self.requests(size) for size in sizes}):
             layout = self.padding_sampling(requests)[1]
-            for path in SAMPLER_PATHS if every_sampler else (0, 1):
-                for top in (0, r.top_logprobs_width) if every_sampler else (0,):
-                    for penalties in (False, True) if every_sampler else (False,):
-                        if (layout, path, top, penalties) not in r.samplers:
-                            jobs.append(Job(f"sampler[{requests} rows, path {path}, top {top}, penalties {penalties}]",
-                                            ("sampler", requests), *self._sampler(layout, path, top, penalties)))
+            for path in SAMPLER_PATHS if full else (0, 1):
+                for top in (0, r.top_logprobs_width) if full else (0,):
+                    if (layout, path, top) not in r.samplers:
+                        jobs.append(Job(f"sampler[{requests} rows, path {path}, top {top}]", ("sampler", requests),
+                                        *self._sampler(layout, path, top)))
+        for rows in self.row_counts(full):
+            for kind in ("restore", "save", "penalties") if r.has_snapshots else ("penalties",):
+                if (kind, rows) not in r.row_programs:
+                    jobs.append(Job(f"{kind}[{rows} rows]", ("rows", rows), *self._row_program(kind, rows)))
         return jobs
+
+    def row_counts(self, full: bool = True) -> list[int]:
+        """The padded counts of sequences that enter a batch at once (runner.pairs, runner._penalty_rows): every
+        power of two up to max_num_seqs (`full`), else one."""
+        return sorted({step.bucket(k) for k in range(1, (self.runner.max_num_seqs if full else 1) + 1)})
 
     # Each program: (lower, store): `lower()` gives its jax.stages.Lowered (run where it compiles: a thread or a
     # compile worker), `store(compiled)` puts the compiled program where the runner looks it up (in this process).
@@ -270,6 +297,23 @@ class Compiler:
             layout=layout, cfg=r.cfg, mesh=r.mesh, kernels=r.kernels,
             with_hidden=bool(r.num_speculative_tokens)), store
 
+    def _row_program(self, kind: str, rows: int) -> tuple[Callable, Callable]:
+        """The snapshot copy ("restore": snapshots into state slots, "save": back) or penalty-count reset of `rows`
+        sequences entering a batch."""
+        r = self.runner
+
+        def lower():
+            index = self.packed(rows)
+            if kind == "penalties":
+                ids = jax.ShapeDtypeStruct((rows, r.table_width * r.block_size), np.int32,
+                                           sharding=step.replicated(r.mesh))
+                return step.init_penalties.lower(self.abstract(r.penalty_counts), index, ids, index, index)
+            program = step.restore_snapshots if kind == "restore" else step.save_snapshots
+            return program.lower(self.abstract(r.cache), self.abstract(r.snapshots), index, index, cfg=r.cfg,
+                                 mesh=r.mesh)
+
+        return lower, lambda compiled: r.row_programs.__setitem__((kind, rows), compiled)
+
     def forward(self, size: int) -> None:
         """Compile the forward of token bucket `size` here and now (a step of a bucket not compiled ahead)."""
         lower, store = self._forward(size)
@@ -284,17 +328,17 @@ class Compiler:
             program = r.stagers[size] = step.stage_inputs.lower(buffer, buffer).compile()
         return program
 
-    def _sampler(self, layout: step.Layout, path: int, top: int, penalties: bool) -> tuple[Callable, Callable]:
+    def _sampler(self, layout: step.Layout, path: int, top: int) -> tuple[Callable, Callable]:
         r = self.runner
         requests = step.layout_shape(layout, "temperature")[0]
 
         def lower():
             logits = jax.ShapeDtypeStruct((requests, r.vocab_size), np.float32, sharding=step.replicated(r.mesh))
-            counts = self.abstract(r.penalty_counts) if penalties else None
-            return step.sample_step.lower(logits, self.packed(layout.size), self.abstract(r.last_tokens), counts,
-                                          layout=layout, num_top_logprobs=top, path=path)
+            return step.sample_step.lower(logits, self.packed(layout.size), self.abstract(r.last_tokens),
+                                          self.abstract(r.penalty_counts), layout=layout, num_top_logprobs=top,
+                                          path=path)
 
-        return lower, lambda compiled: r.samplers.__setitem__((layout, path, top, penalties), compiled)
+        return lower, lambda compiled: r.samplers.__setitem__((layout, path, top), compiled)
 
     def _decoder(self, size: int) -> tuple[Callable, Callable]:
         r = self.runner
@@ -355,7 +399,7 @@ class Compiler:
 
     # ---- compiling and first runs ------------------------------------------------------------------------------
     def compile(self, sizes: list[int] | None = None, run: bool = False, workers: int | None = None,
-                part: tuple[int, int] = (0, 1), every_sampler: bool = True) -> None:
+                part: tuple[int, int] = (0, 1), full: bool = True) -> None:
         """Compile every program of the token buckets `sizes` (default: all) not compiled yet, one log line per
         program: in `workers` compile processes (default: COMPILE_WORKERS on a GPU, none elsewhere: XLA:CPU
         programs loaded in another process than the one that compiled them crashed when run), or in COMPILE_THREADS
@@ -369,7 +413,7 @@ class Compiler:
         program's). `every_sampler`: as in `jobs`."""
         r = self.runner
         sizes = list(r.token_buckets if sizes is None else sizes)
-        jobs = self.jobs(sizes, every_sampler)
+        jobs = self.jobs(sizes, full)
         if workers is None:
             workers = COMPILE_WORKERS if uses_workers(r.mesh) and r.executor == r.execute else 0
         start = time.perf_counter()
@@ -414,9 +458,8 @@ class Compiler:
 
     def _from_workers(self, jobs: list[Job], workers: int, part: tuple[int, int]):
         """(job, compiled, seconds, working bytes) of each job as compile worker processes store it, serialized, in
-        the program store (program_store); this core's share of the jobs is compiled by workers started here."""
-        from jax.experimental import serialize_executable
-
+        the program store (program_store); this core's share of the jobs is compiled by workers started here;
+        LOAD_THREADS threads load the stored programs."""
         store = self.program_store()
         if self._begun is not None:  # started before the weights were read (begin)
             mine, processes = self._begun
@@ -427,54 +470,77 @@ class Compiler:
         mine_files = {job.file_name for job in mine}
         retry: list[Job] = []  # out of memory beside the other workers: compiled again alone
         retried: set[str] = set()
-        waited = time.perf_counter()
-        while left:
-            ready = [name for name in left if os.path.exists(os.path.join(store, name))]
-            for name in ready:
-                job = left.pop(name)
-                with open(os.path.join(store, name), "rb") as f:
-                    stored = pickle.load(f)
-                if stored.get("out_of_memory") and name in mine_files and name not in retried:
-                    # XLA's autotuning ran out of device memory beside the other workers: once they are done,
-                    # compile it again in a worker of its own
-                    log.warning("compiling %s ran out of device memory beside the other compile workers; it is "
-                                "compiled again alone once they are done", job.name)
-                    os.remove(os.path.join(store, name))
-                    left[name] = job
-                    retried.add(name)
-                    retry.append(job)
+        loading: dict = {}  # future of a program being loaded -> its job
+        loader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="qwen-jax-load")
+        try:
+            waited = time.perf_counter()
+            while left or loading:
+                ready = [name for name in left if os.path.exists(os.path.join(store, name))]
+                for name in ready:
+                    loading[loader.submit(self._load, os.path.join(store, name))] = left.pop(name)
+                loaded = [future for future in loading if future.done()]
+                for future in loaded:
+                    job = loading.pop(future)
+                    name, stored = job.file_name, future.result()
+                    if stored.get("out_of_memory") and name in mine_files and name not in retried:
+                        # XLA's autotuning ran out of device memory beside the other workers: once they are done,
+                        # compile it again in a worker of its own
+                        log.warning("compiling %s ran out of device memory beside the other compile workers; it is "
+                                    "compiled again alone once they are done", job.name)
+                        os.remove(os.path.join(store, name))
+                        left[name] = job
+                        retried.add(name)
+                        retry.append(job)
+                        continue
+                    if "error" in stored:
+                        raise RuntimeError(f"compiling {job.name} failed in a compile worker: {stored['error']}")
+                    yield job, stored["compiled"], stored["seconds"], stored["working_bytes"]
+                    waited = time.perf_counter()
+                if ready or loaded:
                     continue
-                if "error" in stored:
-                    raise RuntimeError(f"compiling {job.name} failed in a compile worker: {stored['error']}")
-                compiled = serialize_executable.deserialize_and_load(
-                    stored["payload"], stored["in_tree"], stored["out_tree"],
-                    execution_devices=list(self.runner.mesh.devices.flat))
-                yield job, compiled, stored["seconds"], stored["working_bytes"]
-                waited = time.perf_counter()
-            if ready:
-                continue
-            if retry and all(p.poll() is not None for p in processes):
-                processes = self._start_workers(retry, 1, store)
-                self._workers += processes
-                retry = []
-                waited = time.perf_counter()
-                continue
-            dead = [p.returncode for p in processes if p.poll()]
-            owed = mine_files & set(left) - {job.file_name for job in retry}
-            if dead and owed:
-                missing = left[min(owed)].name
-                raise RuntimeError(f"a compile worker exited with code {dead[0]} before storing {missing}")
-            if not retry and all(p.poll() is not None for p in processes) and \
-                    time.perf_counter() - waited > OTHERS_GRACE_S:
-                # the other cores' share is late (or they are gone): compile what is still missing here too
-                mine = list(left.values())
-                mine_files |= set(left)
-                processes = self._start_workers(mine, workers, store)
-                self._workers += processes
-                waited = time.perf_counter()
-            time.sleep(0.05)
+                if loading:
+                    time.sleep(0.005)
+                    continue
+                if retry and all(p.poll() is not None for p in processes):
+                    processes = self._start_workers(retry, 1, store)
+                    self._workers += processes
+                    retry = []
+                    waited = time.perf_counter()
+                    continue
+                dead = [p.returncode for p in processes if p.poll()]
+                owed = mine_files & set(left) - {job.file_name for job in retry}
+                if dead and owed:
+                    missing = left[min(owed)].name
+                    raise RuntimeError(f"a compile worker exited with code {dead[0]} before storing {missing}")
+                if not retry and all(p.poll() is not None for p in processes) and \
+                        time.perf_counter() - waited > OTHERS_GRACE_S:
+                    # the other cores' share is late (or they are gone): compile what is still missing here too
+                    mine = list(left.values())
+                    mine_files |= set(left)
+                    processes = self._start_workers(mine, workers, store)
+                    self._workers += processes
+                    waited = time.perf_counter()
+                time.sleep(0.05)
+        finally:
+            loader.shutdown(cancel_futures=True)
         for process in processes:
             process.wait()
+        for claims in self._claims:
+            shutil.rmtree(claims, ignore_errors=True)
+        self._claims = []
+
+    def _load(self, path: str) -> dict:
+        """A program a compile worker stored at `path`, loaded onto this runner's devices (its `compiled`), or the
+        worker's error. Run by several threads at once: XLA loads without Python's lock."""
+        from jax.experimental import serialize_executable
+
+        with open(path, "rb") as f:
+            stored = pickle.load(f)
+        if "error" not in stored:
+            stored["compiled"] = serialize_executable.deserialize_and_load(
+                stored.pop("payload"), stored["in_tree"], stored["out_tree"],
+                execution_devices=list(self.runner.mesh.devices.flat))
+        return stored
 
     def begin(self, part: tuple[int, int] = (0, 1)) -> None:
         """Start the compile workers on every program serving can run (this core's `part`, as in `compile`) now:
@@ -495,8 +561,9 @@ class Compiler:
         return mine, self._workers
 
     def _start_workers(self, jobs: list[Job], workers: int, store: str) -> list[subprocess.Popen]:
-        """Compile worker processes for `jobs`, each given every count-th of them. Plain subprocesses (a daemonic
-        core process may not start multiprocessing children), this package first on their path."""
+        """Compile worker processes for `jobs`, sharing them as one queue in their order (compile_worker). Plain
+        subprocesses (a daemonic core process may not start multiprocessing children), this package first on their
+        path."""
         count = min(workers, len(jobs))
         jax_config = {name: getattr(jax.config, name) for name in INHERITED_CONFIG}
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -505,11 +572,13 @@ class Compiler:
         env = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform", **os.environ,
                "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         spec = self.worker_spec()
+        claims = tempfile.mkdtemp(prefix=f"claims.{os.getpid()}.", dir=store)
+        self._claims.append(claims)
         processes = []
         for w in range(count):
             task = os.path.join(store, f"task.{os.getpid()}.{time.monotonic_ns()}.{w}.pkl")
             with open(task, "wb") as f:
-                pickle.dump((spec, [job.name for job in jobs[w::count]], store, jax_config), f)
+                pickle.dump((spec, [job.name for job in jobs], store, claims, jax_config), f)
             processes.append(subprocess.Popen(
                 [sys.executable, "-c", f"from qwen_jax.engine.compilation import compile_worker; "
                                        f"compile_worker({task!r})"], env=env))
@@ -570,7 +639,7 @@ class Compiler:
         buffer, layout = self.step_inputs(size)
         sampling, sampling_layout = self.padding_sampling(self.requests(size))
         execute = r.executor
-        jax.block_until_ready(execute([("step", buffer, layout, sampling, sampling_layout, 0, 0, False,
+        jax.block_until_ready(execute([("step", buffer, layout, sampling, sampling_layout, 0, 0,
                                         bool(r.num_speculative_tokens), False)]))
         if size in r.decoders:
             jax.block_until_ready(execute([("decode_steps", buffer, layout, sampling, sampling_layout, 0, 0,
@@ -581,8 +650,7 @@ class Compiler:
             jax.block_until_ready(execute([("verify", *self.verify_inputs(size), sampling, sampling_layout, 0, 0, k,
                                             rounds, True)]))
         if r.num_speculative_tokens:
-            jax.block_until_ready(execute([("step", buffer, layout, sampling, sampling_layout, 0, 0, False, True,
-                                            True)]))
+            jax.block_until_ready(execute([("step", buffer, layout, sampling, sampling_layout, 0, 0, True, True)]))
         if size == min(s for s in r.token_buckets if self.requests(s) == self.requests(size)):
             self._run_samplers(self.requests(size))
 
@@ -592,13 +660,10 @@ class Compiler:
         sampling, layout = self.padding_sampling(requests)
         sampling = r.put(sampling)
         logits = r.put(np.zeros((requests, r.vocab_size), np.float32))
-        for (program_layout, *_, penalties), program in list(r.samplers.items()):
+        for (program_layout, *_), program in list(r.samplers.items()):
             if program_layout != layout or not isinstance(program, jax.stages.Compiled):
                 continue
-            out, r.last_tokens, counts = program(logits, sampling, r.last_tokens,
-                                                 r.penalty_counts if penalties else None)
-            if penalties:
-                r.penalty_counts = counts
+            out, r.last_tokens, r.penalty_counts = program(logits, sampling, r.last_tokens, r.penalty_counts)
             jax.block_until_ready(out)
 
     def check_memory(self) -> None:
@@ -619,15 +684,15 @@ class Compiler:
                 f"{WORKING_MEMORY_SHARE * held_back / 2**30:.2f} GiB left to it: lower --max-num-batched-tokens, "
                 f"--max-num-seqs or --speculative-config's num_speculative_tokens, or lower --gpu-memory-utilization")
 
-    def warm_up(self, full: bool, max_pairs: int, part: tuple[int, int] = (0, 1)) -> None:
+    def warm_up(self, full: bool, part: tuple[int, int] = (0, 1)) -> None:
         """Compile (several at once) and run once every program serving can run (`full`), or only those of the
-        smallest and the largest token bucket (the rest are jitted when a step first needs them), and the snapshot
-        copies and penalty resets of up to `max_pairs` rows. Through the executor, so other hosts compile and run
-        them too. `part`: this core's share of a compile shared with the other cores of one host (`compile`)."""
+        smallest and the largest token bucket and the snapshot copies and penalty resets of one sequence (the rest
+        are jitted when a step first needs them). Through the executor, so other hosts compile and run them too.
+        `part`: this core's share of a compile shared with the other cores of one host (`compile`)."""
         r = self.runner
         sizes = list(r.token_buckets) if full else sorted({r.token_buckets[0], r.token_buckets[-1]})
         if r.executor == r.execute:  # one host: first runs while the rest compiles
-            self.compile(sizes, run=True, part=part, every_sampler=full)
+            self.compile(sizes, run=True, part=part, full=full)
         else:  # other hosts compile too, then every host runs each program in the same order
             r.executor([("compile", sizes)])
             self.check_memory()
@@ -636,7 +701,7 @@ class Compiler:
         # the small programs of sequences entering a batch: snapshot copies and penalty-count resets (nothing real:
         # padding entries copy into the sinks, and reset no row)
         longest = r.table_width * r.block_size
-        for n in sorted({step.bucket(k) for k in range(1, max_pairs + 1)}):
+        for n in self.row_counts(full):
             if r.has_snapshots:
                 r.executor([("restore", *r.pairs([(0, 0)] * n)), ("save", *r.pairs([(0, 0)] * n))])
             r.executor([("penalties", np.full(n, r.num_slots, np.int32), np.zeros((n, longest), np.int32),

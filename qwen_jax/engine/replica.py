@@ -164,7 +164,7 @@ class Replica:
         bucket's. `part`: this core's share of a compile shared with the other cores of one host. Runs padding only:
         no request, block or counter is touched."""
         self.runner.compiler.held_back = self.held_back
-        self.runner.compiler.warm_up(full, max_pairs=self.max_num_seqs if full else 1, part=part)
+        self.runner.compiler.warm_up(full, part=part)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

@@ -105,7 +105,9 @@ class ModelRunner:
         self.stagers: dict[int, jax.stages.Compiled] = {}  # packed-input size -> its stage_inputs program
         # (inputs layout, sampling layout) -> its stage_behind program, compiled ahead for the common sampling layout
         self.behind_stagers: dict[tuple[step.Layout, step.Layout], jax.stages.Compiled] = {}
-        self.samplers: dict[tuple, jax.stages.Compiled] = {}  # (layout, path, top, penalties) -> sample_step
+        self.samplers: dict[tuple, jax.stages.Compiled] = {}  # (layout, path, top) -> sample_step
+        # ("restore" | "save" | "penalties", rows) -> the snapshot copies or penalty resets of that many sequences
+        self.row_programs: dict[tuple[str, int], jax.stages.Compiled] = {}
         self._inputs: dict[int, jax.Array] = {}  # packed-input size -> the device buffer a step's inputs go to
         self.top_logprobs_width = TOP_LOGPROBS_WIDTH
         self.compiler = Compiler(self)
@@ -230,7 +232,7 @@ class ModelRunner:
         """The device work of one planned step as host data, an op list run in order by the executor:
         ("restore", src, dst) copies snapshots into state slots; ("penalties", rows, ids, num_prompt, num_tokens)
         resets the penalty counts of sequences entering the batch; ("step", inputs, input layout, sampling,
-        sampling layout, cut path, top logprobs, penalties on, head, behind) runs the forward and the sampler (and,
+        sampling layout, cut path, top logprobs, head, behind) runs the forward and the sampler (and,
         `head`, the MTP head: StepPlan.head; `behind`: some row catches up on the verify program `in_flight`,
         step.stage_behind); ("decode_steps", ..., steps, behind) several decode steps; ("verify", ..., drafts a
         row, rounds, behind) speculative decoding's rounds; ("save", src, dst) copies state slots into snapshots.
@@ -252,7 +254,6 @@ class ModelRunner:
         # an unseeded row's key advances once per token a row may emit (a verify row: rounds x (its drafts + 1))
         self.step_seed += steps * (rows[0].drafts + 1) if rows else 1
         sampling_buffer, sampling_layout = step.pack(tensors._asdict())
-        penalties = any(p.has_penalties for p in sampling)
         top = TOP_LOGPROBS_WIDTH if any(p.logprobs is not None for p in sampling) else 0
         ops = []
         restore = [(r.restore_snapshot, r.seq.slot) for r in rows if r.restore_snapshot is not None]
@@ -269,7 +270,7 @@ class ModelRunner:
                         cut_path(sampling, self.vocab_size), top, steps, behind))
             return ops
         ops.append(("step", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size), top,
-                    penalties, head and bool(self.num_speculative_tokens), behind))
+                    head and bool(self.num_speculative_tokens), behind))
         save = [(r.seq.slot, r.save_snapshot) for r in rows if r.save_snapshot is not None]
         if save and self.has_snapshots:
             ops.append(("save", *self.pairs(save)))
@@ -333,25 +334,23 @@ class ModelRunner:
         self.allocate()
         out = None
         for kind, *args in ops:
-            if kind == "restore":
-                self.cache = step.restore_snapshots(self.cache, self.snapshots, *self.put(tuple(args)),
-                                                    cfg=self.cfg, mesh=self.mesh)
-            elif kind == "save":
-                self.snapshots = step.save_snapshots(self.cache, self.snapshots, *self.put(tuple(args)),
-                                                     cfg=self.cfg, mesh=self.mesh)
-            elif kind == "penalties":
-                self.penalty_counts = step.init_penalties(self.penalty_counts, *self.put(tuple(args)))
+            if kind in ("restore", "save", "penalties"):
+                program = self.row_programs.get((kind, len(args[0]))) or self._row_program(kind)
+                if kind == "restore":
+                    self.cache = program(self.cache, self.snapshots, *self.put(tuple(args)))
+                elif kind == "save":
+                    self.snapshots = program(self.cache, self.snapshots, *self.put(tuple(args)))
+                else:
+                    self.penalty_counts = program(self.penalty_counts, *self.put(tuple(args)))
             elif kind == "step":
-                buffer, layout, sampling, sampling_layout, path, top, penalties, head, behind = args
+                buffer, layout, sampling, sampling_layout, path, top, head, behind = args
                 layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
                 forward = self._forward(layout)
-                sample = self._sampler(sampling_layout, path, top, penalties)
+                sample = self._sampler(sampling_layout, path, top)
                 inputs, sampling = self._stage(layout, buffer, sampling, sampling_layout, behind)
                 logits, self.cache, *head_inputs = forward(self.params, self.cache, self.last_tokens, inputs)
-                out, self.last_tokens, counts = sample(logits, sampling, self.last_tokens,
-                                                       self.penalty_counts if penalties else None)
-                if penalties:
-                    self.penalty_counts = counts
+                out, self.last_tokens, self.penalty_counts = sample(logits, sampling, self.last_tokens,
+                                                                    self.penalty_counts)
                 if head:  # a model that speculates: the MTP head's pages and first drafts
                     self.cache, self.drafts = self._drafter(layout)(self.params, self.cache, *head_inputs,
                                                                     self.last_tokens, self.drafts, inputs)
@@ -474,10 +473,19 @@ class ModelRunner:
             buffer = self._inputs[size] = self.put(np.zeros(size, np.int32))
         return buffer
 
-    def _sampler(self, layout: step.Layout, path: int, top: int, penalties: bool):
+    def _row_program(self, kind: str) -> Callable:
+        """A snapshot copy or penalty reset not compiled ahead (a warm-up that is not full): jitted."""
+        if kind == "penalties":
+            return step.init_penalties
+        program = step.restore_snapshots if kind == "restore" else step.save_snapshots
+        return functools.partial(program, cfg=self.cfg, mesh=self.mesh)
+
+    def _sampler(self, layout: step.Layout, path: int, top: int):
         """The sampler program of a batch: compiled ahead for the common sampling layout (no logit_bias, bans or grammar
-        masks), jitted on first use for the others."""
-        program = self.samplers.get((layout, path, top, penalties))
+        masks), jitted on first use for the others. It always reads and updates the penalty counts: a row without
+        penalties names no row of them, which leaves its logits and the counts exactly as they were, so one program
+        serves batches with and without penalties."""
+        program = self.samplers.get((layout, path, top))
         if program is not None:
             return program
         return lambda logits, sampling, last_tokens, counts: step.sample_step(

@@ -33,7 +33,7 @@ def test_a_compile_worker_is_handed_a_picklable_spec_and_every_program_has_its_o
     names = [job.file_name for job in jobs]
     assert len(set(names)) == len(names) and all("/" not in n for n in names)
     kinds = {job.name.split("[")[0] for job in jobs}
-    assert kinds == {"forward", "draft", "verify", "sampler"}
+    assert kinds == {"forward", "draft", "verify", "sampler", "restore", "save", "penalties"}
 
 
 def test_a_lazy_runner_allocates_its_state_at_its_first_step_with_the_same_tokens(hybrid_mtp_dir, kit, monkeypatch):
@@ -60,7 +60,7 @@ def test_a_program_whose_compile_ran_out_of_device_memory_is_compiled_again_by_a
     monkeypatch.setattr(compilation.Compiler, "program_store", lambda self: str(tmp_path))
     compiler = runner_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).compiler
     size = min(compiler.runner.token_buckets)
-    jobs = [job for job in compiler.jobs([size], every_sampler=False) if job.name.startswith("forward")]
+    jobs = [job for job in compiler.jobs([size], full=False) if job.name.startswith("forward")]
     starts = []
 
     def stand_in_workers(self, given, workers, store):
@@ -87,7 +87,7 @@ def test_a_compile_error_other_than_out_of_memory_stops_the_start(hybrid_mtp_dir
 
     monkeypatch.setattr(compilation.Compiler, "program_store", lambda self: str(tmp_path))
     compiler = runner_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).compiler
-    jobs = compiler.jobs([min(compiler.runner.token_buckets)], every_sampler=False)[:1]
+    jobs = compiler.jobs([min(compiler.runner.token_buckets)], full=False)[:1]
 
     def failing_workers(self, given, workers, store):
         for job in given:
@@ -181,3 +181,19 @@ def test_a_compile_worker_ends_when_its_core_is_gone():
     while running(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not running(child)
+
+
+def test_the_compile_workers_of_one_start_share_their_programs_as_one_queue(tmp_path):
+    """Every worker of a start is handed every program, largest first, and compiles those it claims first: each
+    program is claimed once per start (its claims folder), so no worker idles while another has several left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qwen_jax.engine.compilation import claim
+
+    names = [f"forward[{size}].bin" for size in (8, 4, 2, 1)]
+    first, later = tmp_path / "claims.1", tmp_path / "claims.2"
+    first.mkdir(), later.mkdir()
+    with ThreadPoolExecutor(4) as pool:
+        taken = list(pool.map(lambda _: [name for name in names if claim(str(first), name)], range(4)))
+    assert sorted(name for mine in taken for name in mine) == sorted(names)
+    assert claim(str(later), names[0]) and not claim(str(later), names[0])

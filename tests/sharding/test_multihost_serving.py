@@ -53,10 +53,10 @@ def test_op_lists_round_trip_through_bytes():
     sampling, sampling_layout = step.pack({"temperature": np.array([0.5, 0.0], np.float32),
                                            "seeds": np.array([7, 1], np.uint32)})
     ops = [("restore", np.array([3, 0], np.int32), np.array([1, 0], np.int32)),
-           ("step", buffer, layout, sampling, sampling_layout, 1, 20, False, True, False),
+           ("step", buffer, layout, sampling, sampling_layout, 1, 20, True, False),
            ("save", np.array([1], np.int32), np.array([2], np.int32))]
     back = multihost.unpack(multihost.pack(ops))
-    assert [op[0] for op in back] == ["restore", "step", "save"] and back[1][5:] == [1, 20, False, True, False]
+    assert [op[0] for op in back] == ["restore", "step", "save"] and back[1][5:] == [1, 20, True, False]
     assert step.as_layout(back[1][2]) == layout and step.as_layout(back[1][4]) == sampling_layout
     for got, want in zip(_leaves(back), _leaves(ops), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
