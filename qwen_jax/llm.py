@@ -141,11 +141,12 @@ class AsyncLLM:
             raise
 
     def _read_model(self, model_path: str, engine_args: dict) -> None:
-        self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or model_path)
+        tokenizer_path = engine_args.get("tokenizer") or model_path
+        self.tokenizer = load_tokenizer(tokenizer_path)
         # Read from the model files here, without a device: the core computes the same values.
         self.config: ModelConfig = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]))
         self.max_model_len = resolve_max_model_len(self.config, engine_args.get("max_model_len"))
-        self.eos_token_ids = eos_ids(model_path, self.config, self.tokenizer)
+        self.eos_token_ids = eos_ids(model_path, self.config, tokenizer_path)
         self.model_name = model_path.rstrip("/").split("/")[-1]
         self.output = OutputProcessor(self.tokenizer)
 

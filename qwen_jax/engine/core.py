@@ -161,9 +161,10 @@ class EngineCore:
         speculation(args["speculative_config"], cfg.has_mtp)  # a config the model cannot serve fails here
         # a head layout the partitioned ops cannot split fails here, not mid-step
         ops_for_mesh(cfg, replica_meshes[0], kernels)
-        tokenizer = load_tokenizer(args["tokenizer"] or model_path)
-        self.eos_token_ids = eos_ids(model_path, cfg, tokenizer)
-        self.grammars = grammar.GrammarCompiler(tokenizer, cfg.vocab_size, self.eos_token_ids)
+        tokenizer_path = args["tokenizer"] or model_path
+        self.eos_token_ids = eos_ids(model_path, cfg, tokenizer_path)
+        self.grammars = grammar.GrammarCompiler(lambda: load_tokenizer(tokenizer_path), cfg.vocab_size,
+                                                self.eos_token_ids)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
         # The replicas are built on the weights' shapes (only replicas with devices on this host get them), so that
         # their programs can compile while the weights are read; then each gets its weights.
@@ -176,6 +177,7 @@ class EngineCore:
         if compile_ahead is not None:
             for replica in self.replicas:
                 replica.runner.compiler.begin(compile_ahead)
+        self.grammars.prepare_in_background()  # off the step thread, and after the compile workers start
         t0 = time.perf_counter()
         replica_params = self._load_params(source, args, replica_meshes)
         jax.block_until_ready(replica_params)

@@ -76,13 +76,47 @@ def load_tokenizer(model_path: str):
     return None
 
 
-def eos_ids(model_path: str, cfg: ModelConfig, tokenizer) -> list[int]:
+def tokenizer_eos_id(tokenizer_path: str) -> int | None:
+    """The tokenizer's end-of-sequence id as its JSON files give it (tokenizer_config.json's eos_token, found among
+    its added tokens or tokenizer.json's), without loading the tokenizer (transformers and the torch it imports take
+    seconds); None when they do not say."""
+    try:
+        with open(os.path.join(tokenizer_path, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    for token_id, added in (config.get("added_tokens_decoder") or {}).items():
+        if isinstance(added, dict) and added.get("content") == eos:
+            return int(token_id)
+    try:
+        with open(os.path.join(tokenizer_path, "tokenizer.json")) as f:
+            tokenizer = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for added in tokenizer.get("added_tokens") or ():
+        if added.get("content") == eos:
+            return int(added["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    return vocab.get(eos) if isinstance(vocab, dict) else None
+
+
+def eos_ids(model_path: str, cfg: ModelConfig, tokenizer_path: str) -> list[int]:
+    """The ids that end a sequence: the config's, generation_config.json's and the tokenizer's (its JSON files, else
+    the tokenizer itself, loaded)."""
     ids = set(cfg.eos_token_ids)
     gen = os.path.join(model_path, "generation_config.json") if os.path.isdir(model_path) else ""
     if gen and os.path.exists(gen):
         with open(gen) as f:
             value = json.load(f).get("eos_token_id")
         ids.update([value] if isinstance(value, int) else (value or []))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+    token_id = tokenizer_eos_id(tokenizer_path) if os.path.isdir(tokenizer_path) else None
+    if token_id is None:
+        tokenizer = load_tokenizer(tokenizer_path)
+        token_id = None if tokenizer is None else tokenizer.eos_token_id
+    if token_id is not None:
+        ids.add(token_id)
     return sorted(ids)
