@@ -36,11 +36,13 @@ grep -A12 "^ conc" "$OUT/${TAG}_serve.txt" | grep -v "^$" ; grep "weighted score
   || tail -20 "$OUT/${TAG}_serve.txt"
 grep -c "compiled " "$QWEN_JAX_LOG" | sed "s/^/$TAG programs compiled: /"
 grep "compiled .* programs in\|working memory\|layout:\|loaded " "$QWEN_JAX_LOG" | cut -c1-220
+bash scripts/startup_timeline.sh "$QWEN_JAX_LOG"
 ./start.sh --stop > /dev/null
 if [[ "${RESTART:-0}" == 1 ]]; then
   export QWEN_JAX_LOG="$OUT/${TAG}_restart.log"
   t0=$(now)
   ./start.sh "${ARGS[@]}" > "$OUT/${TAG}_restart.txt" 2>&1 || { echo "restart failed"; tail -30 "$QWEN_JAX_LOG"; }
   echo "$TAG warm_restart_ready_s $(since "$t0")"
+  bash scripts/startup_timeline.sh "$QWEN_JAX_LOG"
   ./start.sh --stop > /dev/null
 fi
