@@ -69,7 +69,7 @@ python3 -c "import json, sys; r = json.load(open(sys.argv[1])); c = r['choices']
 assert set(v) == {'n'} and isinstance(v['n'], int), v; print('structured output:', c['message']['content'], c['finish_reason'])" \
   "$OUT/structured.json" || { echo "structured output failed:"; head -c 600 "$OUT/structured.json"; echo; }
 curl -s "$URL/metrics" > "$OUT/metrics.txt"
-grep "^qwen_jax_engine_step\|^qwen_jax_generation_tokens_total" "$OUT/metrics.txt"
+grep "^qwen_jax_engine_step\|^vllm:generation_tokens_total" "$OUT/metrics.txt"
 grep "compiled\|loaded" "$OUT/server.log" | cut -c1-170
 if [[ "${LOG_COMPILES:-0}" == 1 ]]; then
   echo "compiles after the warm-up:"

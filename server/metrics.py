@@ -1,5 +1,7 @@
 """Prometheus metrics for the server: request counters and histograms it records, engine gauges read live; every
-series carries the served model's name (`model_name`), as vLLM's do. server/README.md maps each to vLLM's name.
+series carries the served model's name (`model_name`), as vLLM's do. A series vLLM has goes by vLLM's own name,
+labels and histogram buckets (`vllm:...`), so a dashboard written for vLLM finds it; the rest are `qwen_jax_...`.
+server/README.md lists them all.
 
 One registry per app (several apps can share a process); never blocks: engine numbers come from `stats()` at scrape.
 """
@@ -12,10 +14,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-PREFIX = "qwen_jax"
+VLLM = "vllm:"
+OWN = "qwen_jax_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 def token_buckets(max_model_len: int) -> list[int]:
@@ -41,58 +49,61 @@ class _EngineCollector(Collector):
         s = self.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             return family
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             return family
 
         used, total = s.get("kv_blocks_used", 0), s.get("kv_blocks_total", 0)
         slots, slots_total = s.get("state_slots_used", 0), s.get("state_slots_total", 0)
         queries, hits = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
-        yield gauge("num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
-        yield gauge("num_requests_waiting", "Sequences waiting in the engine's queue.", s.get("num_waiting", 0))
-        yield gauge("server_requests_in_flight", "Engine requests the server has admitted and not yet finished.",
+        yield gauge(f"{VLLM}num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
+        yield gauge(f"{VLLM}num_requests_waiting", "Sequences waiting in the engine's queue.", s.get("num_waiting", 0))
+        yield gauge(f"{OWN}server_requests_in_flight", "Engine requests the server has admitted and not yet finished.",
                     self.queue_depth())
-        yield gauge("kv_blocks_used", "KV-cache blocks in use.", used)
-        yield gauge("kv_blocks_total", "KV-cache blocks in the pool.", total)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", used / total if total else 0)
-        yield gauge("state_slots_used", "Recurrent-state slots in use.", slots)
-        yield gauge("state_slots_total", "Recurrent-state slots in the pool.", slots_total)
-        yield gauge("state_cache_usage_perc", "Fraction of recurrent-state slots in use (0..1).",
+        yield gauge(f"{OWN}kv_blocks_used", "KV-cache blocks in use.", used)
+        yield gauge(f"{OWN}kv_blocks_total", "KV-cache blocks in the pool.", total)
+        yield gauge(f"{VLLM}kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                    used / total if total else 0)
+        yield gauge(f"{OWN}state_slots_used", "Recurrent-state slots in use.", slots)
+        yield gauge(f"{OWN}state_slots_total", "Recurrent-state slots in the pool.", slots_total)
+        yield gauge(f"{OWN}state_cache_usage_perc", "Fraction of recurrent-state slots in use (0..1).",
                     slots / slots_total if slots_total else 0)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
-        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits)
-        yield gauge("prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries (0 before any query).",
+        yield counter(f"{VLLM}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter(f"{VLLM}prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits)
+        yield gauge(f"{OWN}prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries (0 before any query).",
                     hits / queries if queries else 0)
-        yield counter("prompt_tokens", "Prompt tokens processed by the engine.", s.get("prompt_tokens_total", 0))
-        yield counter("generation_tokens", "Tokens generated by the engine.", s.get("generation_tokens_total", 0))
-        yield counter("num_preemptions", "Sequences preempted (their cache dropped, to be recomputed) for lack of KV "
-                      "blocks.", s.get("num_preemptions_total", 0))
+        yield counter(f"{VLLM}prompt_tokens", "Prompt tokens processed by the engine.",
+                      s.get("prompt_tokens_total", 0))
+        yield counter(f"{VLLM}generation_tokens", "Tokens generated by the engine.",
+                      s.get("generation_tokens_total", 0))
+        yield counter(f"{VLLM}num_preemptions", "Sequences preempted (their cache dropped, to be recomputed) for lack "
+                      "of KV blocks.", s.get("num_preemptions_total", 0))
         # Where a step's time goes: blocked on the devices' results, or host work (scheduling, batches, dispatch).
-        yield counter("spec_decode_num_drafts", "Speculative decoding: rows that verified drafts.",
+        yield counter(f"{VLLM}spec_decode_num_drafts", "Speculative decoding: rows that verified drafts.",
                       s.get("spec_verified_rows_total", 0))
-        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",
+        yield counter(f"{VLLM}spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",
                       s.get("spec_drafted_tokens_total", 0))
-        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+        yield counter(f"{VLLM}spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
                       s.get("spec_accepted_tokens_total", 0))
-        per_position = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+        per_position = CounterMetricFamily(f"{VLLM}spec_decode_num_accepted_tokens_per_pos",
                                            "Speculative decoding: draft tokens accepted, by their position among a "
                                            "row's drafts (0: the first).", labels=["model_name", "position"])
         for position, accepted in enumerate(s.get("spec_accepted_tokens_per_position", ())):
             per_position.add_metric([self.model_name, str(position)], float(accepted))
         yield per_position
-        yield counter("engine_steps", "Engine steps run.", s.get("steps_total", 0))
-        yield counter("engine_step_seconds", "Wall time of engine steps.", s.get("step_seconds_total", 0))
-        yield counter("engine_step_device_wait_seconds", "Time engine steps waited for the devices' sampled tokens.",
-                      s.get("step_device_wait_seconds_total", 0))
-        yield counter("engine_step_plan_seconds", "Time engine steps spent scheduling, building and issuing the next "
-                      "step (while the device runs the one before).", s.get("step_plan_seconds_total", 0))
-        yield counter("engine_step_dispatch_seconds", "Time engine steps spent in the calls that issue the next step's "
-                      "programs.", s.get("step_dispatch_seconds_total", 0))
+        yield counter(f"{OWN}engine_steps", "Engine steps run.", s.get("steps_total", 0))
+        yield counter(f"{OWN}engine_step_seconds", "Wall time of engine steps.", s.get("step_seconds_total", 0))
+        yield counter(f"{OWN}engine_step_device_wait_seconds", "Time engine steps waited for the devices' sampled "
+                      "tokens.", s.get("step_device_wait_seconds_total", 0))
+        yield counter(f"{OWN}engine_step_plan_seconds", "Time engine steps spent scheduling, building and issuing the "
+                      "next step (while the device runs the one before).", s.get("step_plan_seconds_total", 0))
+        yield counter(f"{OWN}engine_step_dispatch_seconds", "Time engine steps spent in the calls that issue the next "
+                      "step's programs.", s.get("step_dispatch_seconds_total", 0))
 
 
 class ServerMetrics:
@@ -106,38 +117,63 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(stats, queue_depth, model_name))
         registry, label = self.registry, ["model_name"]
         tokens = token_buckets(max_model_len)
-        self.requests = Counter(f"{PREFIX}_http_requests", "HTTP requests by route and status code.",
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=registry).labels(model_name)
+
+        self.requests = Counter(f"{OWN}http_requests", "HTTP requests by route and status code.",
                                 ["model_name", "endpoint", "status"], registry=registry)
-        self.finished = Counter(f"{PREFIX}_request_success", "Engine requests finished, by finish reason.",
-                                ["model_name", "finish_reason"], registry=registry)
-        self.prompt_tokens = Histogram(f"{PREFIX}_request_prompt_tokens", "Prompt tokens per finished request.",
-                                       label, buckets=tokens, registry=registry).labels(model_name)
-        self.generation_tokens = Histogram(f"{PREFIX}_request_generation_tokens",
-                                           "Generated tokens per finished request.", label, buckets=tokens,
-                                           registry=registry).labels(model_name)
-        self.queue_time = Histogram(f"{PREFIX}_request_queue_time_seconds", "Time a request waited in the engine's "
-                                    "queue before it first ran.", label, buckets=_LATENCY_BUCKETS,
-                                    registry=registry).labels(model_name)
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time from arrival to the first token.",
-                              label, buckets=_LATENCY_BUCKETS, registry=registry).labels(model_name)
-        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds", "Mean time between output tokens.",
-                              label, buckets=_TPOT_BUCKETS, registry=registry).labels(model_name)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             label, buckets=_LATENCY_BUCKETS, registry=registry).labels(model_name)
+        self.finished = Counter(f"{VLLM}request_success", "Engine requests finished, by finish reason (stop, length, "
+                                "abort: the client went away or the request was cancelled; error).",
+                                ["model_name", "finished_reason"], registry=registry)
+        self.prompt_tokens = histogram(f"{VLLM}request_prompt_tokens", "Prompt tokens per finished request.", tokens)
+        self.generation_tokens = histogram(f"{VLLM}request_generation_tokens", "Generated tokens per finished "
+                                           "request.", tokens)
+        self.max_tokens = histogram(f"{VLLM}request_max_num_generation_tokens", "The most tokens each finished "
+                                    "request was allowed to generate (its max_tokens).", tokens)
+        self.queue_time = histogram(f"{VLLM}request_queue_time_seconds", "Time a request waited in the engine's "
+                                    "queue before it first ran.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram(f"{VLLM}request_inference_time_seconds", "Time from a request's first run "
+                                        "to its last token.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram(f"{VLLM}request_prefill_time_seconds", "Time from a request's first run to "
+                                      "its first token.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram(f"{VLLM}request_decode_time_seconds", "Time from a request's first token to "
+                                     "its last.", REQUEST_LATENCY_BUCKETS)
+        self.ttft = histogram(f"{VLLM}time_to_first_token_seconds", "Time from arrival to the first token.",
+                              TTFT_BUCKETS)
+        self.itl = histogram(f"{VLLM}inter_token_latency_seconds", "Time between a request's consecutive tokens; "
+                             "tokens that arrive together (decode steps or accepted drafts of one program) share "
+                             "the interval evenly.", TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram(f"{VLLM}request_time_per_output_token_seconds", "Mean time between a finished "
+                              "request's output tokens.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram(f"{VLLM}e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             REQUEST_LATENCY_BUCKETS)
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(model_name=self.model_name, endpoint=endpoint, status=str(status)).inc()
 
-    def observe_sequence(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, start: float,
-                         first_token: float | None, end: float, queue_seconds: float | None) -> None:
-        """One finished engine request (a choice): its counts and its latencies (time.monotonic() values)."""
-        self.finished.labels(model_name=self.model_name, finish_reason=finish_reason or "unknown").inc()
+    def observe_tokens(self, count: int, interval: float) -> None:
+        """`count` tokens of one request that arrived `interval` seconds after its previous ones."""
+        for _ in range(count):
+            self.itl.observe(interval / count)
+
+    def observe_sequence(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, max_tokens: int | None,
+                         start: float, first_token: float | None, end: float, queue_seconds: float | None) -> None:
+        """One engine request (a choice) that ended, finished or not: its counts and its latencies
+        (time.monotonic() values; `queue_seconds` None when it never ran)."""
+        self.finished.labels(model_name=self.model_name, finished_reason=finish_reason or "unknown").inc()
         self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(completion_tokens)
+        if max_tokens is not None:
+            self.max_tokens.observe(max_tokens)
         if queue_seconds is not None:
             self.queue_time.observe(queue_seconds)
+            self.inference_time.observe(max(0.0, end - start - queue_seconds))
+            if first_token is not None:
+                self.prefill_time.observe(max(0.0, first_token - start - queue_seconds))
         if first_token is not None:
             self.ttft.observe(first_token - start)
+            self.decode_time.observe(end - first_token)
             if completion_tokens > 1:
                 self.tpot.observe((end - first_token) / (completion_tokens - 1))
         self.e2e.observe(end - start)

@@ -208,24 +208,33 @@ class ChoiceFanout:
         state.active.add(self)
 
     async def _pump(self, job: Job) -> None:
-        start, first, last = time.monotonic(), None, None
+        metrics = self.state.metrics
+        start, first, previous, last = time.monotonic(), None, None, None
+        reason = "abort"  # unless it finishes: the client went away, or the request was cancelled
         try:
             async for out in self.state.engine.generate(job.prompt_ids, job.params, job.request_id):
-                if first is None and out.delta_token_ids:
-                    first = time.monotonic()
+                now = time.monotonic()
+                if out.delta_token_ids:
+                    if first is None:  # tokens that came with the first came with no interval
+                        first = now
+                        metrics.observe_tokens(len(out.delta_token_ids) - 1, 0.0)
+                    else:
+                        metrics.observe_tokens(len(out.delta_token_ids), now - previous)
+                    previous = now
                 last = out
                 if out.finished:
                     job.finished = True
+                    reason = out.finish_reason or "unknown"
                 self.queue.put_nowait((job, out))
-            if last is not None:
-                self.state.metrics.observe_sequence(last.finish_reason or "", len(job.prompt_ids),
-                                                    len(last.token_ids), start, first, time.monotonic(),
-                                                    last.queue_seconds)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaced to the route by next()
+            reason = "error"
             self.queue.put_nowait((job, exc))
         finally:
+            metrics.observe_sequence(reason, len(job.prompt_ids), len(last.token_ids) if last is not None else 0,
+                                     job.params.max_tokens, start, first, time.monotonic(),
+                                     last.queue_seconds if last is not None else None)
             self.state.in_flight -= 1
             self.queue.put_nowait((job, None))
 

@@ -117,6 +117,17 @@ def make_engine(model_dir: str):
     return AsyncLLM.from_engine_args(model_dir, launch=True, **ENGINE_ARGS)  # as the server builds it
 
 
+def scrape(url: str) -> dict:
+    """GET /metrics, parsed: (sample name, sorted label items) -> value (the `_created` timestamps left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        assert resp.headers["content-type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if not s.name.endswith("_created")}
+
+
 def wait_idle(srv: ServerThread, timeout: float = 30) -> dict:
     """Poll the engine until nothing runs or waits and no server request is in flight; returns the stats."""
     deadline = time.monotonic() + timeout

@@ -10,7 +10,7 @@ import socket
 import time
 
 import openai
-from server_harness import MAX_NUM_SEQS, http_json, wait_idle
+from server_harness import MAX_NUM_SEQS, http_json, scrape, wait_idle
 
 
 def test_64_concurrent_requests_all_answered_with_exact_usage(server, tokenizer):
@@ -102,6 +102,8 @@ def _read_until(sock: socket.socket, marker: bytes, count: int) -> bytes:
 def test_disconnect_mid_stream_aborts_and_frees_the_slot(server):
     wait_idle(server)
     before = server.call(server.engine.stats)
+    aborts = ("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", "qwen-jax-test")))
+    aborted_before = scrape(server.url).get(aborts, 0.0)
     body = {"messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 200, "ignore_eos": True,
             "stream": True}
     socks = [_open_stream(server, body) for _ in range(3)]
@@ -115,6 +117,7 @@ def test_disconnect_mid_stream_aborts_and_frees_the_slot(server):
     assert stats["state_slots_used"] == 0 and stats["kv_blocks_used"] == 0
     generated = stats["generation_tokens_total"] - before["generation_tokens_total"]
     assert generated < 3 * 200, "aborted requests ran to completion"
+    assert scrape(server.url)[aborts] - aborted_before == 3  # counted as vLLM counts them
     code, _, data = http_json("POST", server.url + "/v1/completions",
                               {"prompt": "still alive", "max_tokens": 2, "ignore_eos": True})
     assert code == 200 and data["usage"]["completion_tokens"] == 2

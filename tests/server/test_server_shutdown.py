@@ -52,7 +52,7 @@ def engine_counts(url: str) -> tuple[float, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    return found["qwen_jax_num_requests_running"], found["qwen_jax_num_requests_waiting"]
+    return found["vllm:num_requests_running"], found["vllm:num_requests_waiting"]
 
 
 def assert_shutdown_error(status: int, body: dict) -> None:
