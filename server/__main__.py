@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -133,6 +134,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no log line per request (method, path, status, latency) (default: one line each)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="the least severe log records written (default: %(default)s)")
+    frontend = p.add_argument_group("vllm serve's frontend flags")
+    frontend.add_argument("--uvicorn-log-level", default=None,
+                          choices=("critical", "error", "warning", "info", "debug", "trace"),
+                          help="the HTTP server's own log level (Hypercorn's here; trace is debug) (default: "
+                               "--log-level's)")
+    frontend.add_argument("--allowed-origins", type=json_list, default=["*"],
+                          help="origins allowed cross-origin requests, a JSON list (default: [\"*\"])")
+    frontend.add_argument("--allowed-methods", type=json_list, default=["*"],
+                          help="methods allowed cross-origin, a JSON list (default: [\"*\"])")
+    frontend.add_argument("--allowed-headers", type=json_list, default=["*"],
+                          help="headers allowed cross-origin, a JSON list (default: [\"*\"])")
+    frontend.add_argument("--allow-credentials", action="store_true",
+                          help="cross-origin requests may carry credentials (default: off)")
+    frontend.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file (default: HTTP)")
+    frontend.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file (default: "
+                                                               "HTTP)")
+    frontend.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with (default: "
+                                                               "none)")
+    frontend.add_argument("--root-path", default="",
+                          help="the path prefix a proxy serves this server under (ASGI root_path) (default: none)")
+    frontend.add_argument("--response-role", default="assistant",
+                          help="the role of a chat completion's message (default: %(default)s)")
+    frontend.add_argument("--return-tokens-as-token-ids", action="store_true",
+                          help="logprobs name each token 'token_id:<id>' instead of its text (default: off)")
+    frontend.add_argument("--enable-prompt-tokens-details", action="store_true",
+                          help="usage.prompt_tokens_details.cached_tokens (always given here) (default: on)")
+    frontend.add_argument("--revision", default=None,
+                          help="the revision of a hub id's model in the local Hugging Face cache (default: main)")
+    frontend.add_argument("--download-dir", default=None,
+                          help="the Hugging Face cache a hub id is looked up in; nothing is downloaded (default: "
+                               "$HF_HOME's)")
+    frontend.add_argument("--enforce-eager", action="store_true",
+                          help="run each step's kernels one by one, without CUDA graphs (XLA's command buffers "
+                               "off): slower, for debugging (default: graphs on)")
     vllm = p.add_argument_group("vllm serve's flags for what this server always does or decides itself")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="tool_choice 'auto' (always on here: a chat template that renders tools gets them, and "
@@ -161,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# --enforce-eager: XLA runs each kernel on its own instead of recording CUDA graphs (command buffers)
+EAGER_XLA_FLAG = "--xla_gpu_enable_command_buffer="
 # vllm serve's --tool-call-parser names -> the format of the tool-call grammar (server/tools.py)
 TOOL_CALL_PARSERS = {"qwen3_coder": "qwen_3_5", "qwen3_xml": "qwen_3_5", "hermes": "qwen_3"}
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -178,6 +215,17 @@ ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_par
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
                 "load_format", "dtype", "seed", "kernels", "num_scheduler_steps", "speculative_config", "num_hosts",
                 "host_index", "coordinator_address", "tokenizer", "block_size")
+
+
+def json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (vllm serve's --allowed-origins '["http://a"]')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -200,14 +248,20 @@ def check_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     try:
         if args.model is not None:
-            args.model = resolve_path(args.model)
+            args.model = resolve_path(args.model, args.revision, args.download_dir)
             read_model_config(args.model)  # a directory without config.json: ModelNotFound, in one line
         if args.tokenizer is not None:
-            args.tokenizer = resolve_path(args.tokenizer)
+            args.tokenizer = resolve_path(args.tokenizer, args.revision, args.download_dir)
     except ModelNotFound as exc:
         raise UsageError(str(exc)) from None
     if args.chat_template is not None:
         args.chat_template = read_chat_template(args.chat_template)
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise UsageError(f"--{flag.replace('_', '-')} {path!r} is not a file")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise UsageError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     for flag, what in REFUSED_FLAGS.items():
         if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
             raise UsageError(f"{flag} is not supported: {what}")
@@ -274,7 +328,7 @@ def enable_compilation_cache(path: str | None) -> str | None:
     return path
 
 
-async def serve(app, sock: socket.socket, graceful_timeout: float) -> int:
+async def serve(app, sock: socket.socket, graceful_timeout: float, args: argparse.Namespace | None = None) -> int:
     """Serve `app` until SIGTERM/SIGINT (then drain: see ServerState.drain; a second signal cuts the wait short), a
     failed engine start or the engine core's death; returns the process exit code (non-zero for the last two, so
     that a supervisor restarts the server)."""
@@ -290,6 +344,9 @@ async def serve(app, sock: socket.socket, graceful_timeout: float) -> int:
     config.keep_alive_timeout = 30
     config.accesslog = None
     config.errorlog = "-"
+    if args is not None:
+        config.root_path = args.root_path
+        config.certfile, config.keyfile, config.ca_certs = args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs
     stop = asyncio.Event()
     hurry = asyncio.Event()
     exit_code = 0
@@ -367,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if args.uvicorn_log_level is not None:
+        logging.getLogger("hypercorn").setLevel("DEBUG" if args.uvicorn_log_level == "trace"
+                                                else args.uvicorn_log_level.upper())
+    if args.enforce_eager:  # before any engine process starts: they read XLA's flags when JAX starts
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EAGER_XLA_FLAG}".strip()
     if args.trust_remote_code:
         log.info("--trust-remote-code is not needed: qwen-jax runs its own model code, never a checkpoint's")
     cache = enable_compilation_cache(args.compilation_cache_dir)
@@ -396,9 +458,13 @@ def main(argv: list[str] | None = None) -> int:
                           max_body_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
                           chat_template=args.chat_template, access_log=not args.disable_access_log,
                           json_whitespace=args.json_whitespace,
-                          tool_call_format=TOOL_CALL_PARSERS.get(args.tool_call_parser))
+                          tool_call_format=TOOL_CALL_PARSERS.get(args.tool_call_parser),
+                          response_role=args.response_role,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+                          allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
     app = create_app(engine, config)
-    return asyncio.run(serve(app, sock, args.graceful_timeout))
+    return asyncio.run(serve(app, sock, args.graceful_timeout, args))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from werkzeug.exceptions import HTTPException
 from qwen_jax import EngineDead
 from server.access_log import AccessLog
 from server.body_limit import BodyLimit
+from server.cors import Cors
 from server.metrics import CONTENT_TYPE
 from server.openapi import openapi_document
 from server.protocol import (
@@ -62,6 +63,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
     app = Quart("qwen_jax_server")
     app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60)
     app.asgi_app = BodyLimit(app.asgi_app, config.max_body_bytes)
+    app.asgi_app = Cors(app.asgi_app, config.allowed_origins, config.allowed_methods, config.allowed_headers,
+                        config.allow_credentials)
     if config.access_log:
         app.asgi_app = AccessLog(app.asgi_app)
     state = ServerState(engine, config)

@@ -53,6 +53,13 @@ class ServerConfig:
     # the format a forced tool call is written in (server/tools.py QWEN_XML or HERMES_JSON; None: the template's)
     tool_call_format: str | None = None
     access_log: bool = True  # a log line per request
+    response_role: str = "assistant"  # the role of a chat completion's message
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" instead of their text
+    # cross-origin requests (server/cors.py): vLLM's defaults allow every origin, method and header
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 class ServerState:
@@ -68,7 +75,7 @@ class ServerState:
         self.start_error: str | None = None
         self.start_task: asyncio.Task | None = None
         self.metrics = ServerMetrics(engine.stats, lambda: self.in_flight, self.model_name, engine.max_model_len)
-        self.token_texts = TokenTexts(engine.tokenizer)
+        self.token_texts = TokenTexts(engine.tokenizer, config.return_tokens_as_token_ids)
         self.vocab_size = engine.config.vocab_size  # every token id a request sends is checked against it
         self._ignored: set[tuple[str, str]] = set()
         self.draining = False  # set by drain(): nothing new is admitted
@@ -132,10 +139,12 @@ class ShuttingDown(APIError):
 
 
 class TokenTexts:
-    """The text and UTF-8 bytes of single tokens, as logprobs show them (cached per token id)."""
+    """The text and UTF-8 bytes of single tokens, as logprobs show them (cached per token id); `as_ids`: the text is
+    "token_id:<id>" (vLLM's --return-tokens-as-token-ids, for tokens that are not valid UTF-8 alone)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, as_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
 
@@ -151,6 +160,8 @@ class TokenTexts:
             else:
                 text = self.tokenizer.convert_tokens_to_string([token])
                 cached = (text, list(text.encode()))
+            if self.as_ids:
+                cached = (f"token_id:{token_id}", cached[1])
             self._cache[token_id] = cached
         return cached
 

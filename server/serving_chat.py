@@ -51,8 +51,9 @@ def chat_logprobs(token_texts: TokenTexts, items: list[TokenLogprob]) -> dict:
 
 
 class ChatChoice(ChoiceWriter):
-    def __init__(self, token_texts: TokenTexts, req: ChatCompletionRequest):
+    def __init__(self, token_texts: TokenTexts, req: ChatCompletionRequest, role: str = "assistant"):
         self.token_texts = token_texts
+        self.role = role
         self.show_logprobs = req.requested_logprobs is not None
         self.thinking = req.enable_thinking
         self.echo = req.echo_text
@@ -63,7 +64,7 @@ class ChatChoice(ChoiceWriter):
 
     def opening(self) -> dict:
         """The role comes first, once per choice (with the echoed message, if any)."""
-        return {"delta": {"role": "assistant", "content": self.echo}, "logprobs": None}
+        return {"delta": {"role": self.role, "content": self.echo}, "logprobs": None}
 
     def piece(self, out: RequestOutput, logprobs: list[TokenLogprob] | None) -> dict:
         reasoning, content = self.splitter.feed(out.delta_text)
@@ -95,7 +96,7 @@ class ChatChoice(ChoiceWriter):
         if self.tools is not None:
             content, calls = self.tools.parse(content)
             self.num_calls = len(calls)
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        message: dict[str, Any] = {"role": self.role, "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = [call.openai() for call in calls]
         if self.thinking:
@@ -118,7 +119,7 @@ class ChatServing(Serving):
         return [Prompt(chat_prompt_ids(self.state.tokenizer, req, self.state.config.chat_template), "")]
 
     def writer(self, req: ChatCompletionRequest, prompt: Prompt) -> ChoiceWriter:
-        return ChatChoice(self.state.token_texts, req)
+        return ChatChoice(self.state.token_texts, req, self.state.config.response_role)
 
     def constrained(self, req: ChatCompletionRequest) -> bool:
         return forces_tool(req) or super().constrained(req)

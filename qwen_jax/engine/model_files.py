@@ -27,21 +27,23 @@ def resolve_model(model: str | None) -> str:
     return resolve_path(model)
 
 
-def resolve_path(name: str) -> str:
-    """A local path as it is, or the directory of a hub id ("Qwen/Qwen3.5-4B") in the local Hugging Face cache
-    ($HF_HOME): nothing is ever downloaded. Raises ModelNotFound (one line) when neither holds."""
+def resolve_path(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """A local path as it is, or the directory of a hub id ("Qwen/Qwen3.5-4B") at `revision` (default: main) in the
+    local Hugging Face cache (`cache_dir`, default $HF_HOME's): nothing is ever downloaded. Raises ModelNotFound (one
+    line) when neither holds."""
     if os.path.exists(name):
         return name
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return snapshot_download(name, local_files_only=True)
+        return snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True)
     except HFValidationError:
         raise ModelNotFound(f"{name!r} is neither a local path nor a Hugging Face hub id") from None
     except LocalEntryNotFoundError:
-        raise ModelNotFound(f"{name!r} is not a local path and not in the Hugging Face cache "
-                            f"({constants.HF_HUB_CACHE}); this server never downloads: fetch it first "
+        at = f" at revision {revision}" if revision else ""
+        raise ModelNotFound(f"{name!r}{at} is not a local path and not in the Hugging Face cache "
+                            f"({cache_dir or constants.HF_HUB_CACHE}); this server never downloads: fetch it first "
                             f"(hf download {name}) or give its directory") from None
 
 

@@ -96,6 +96,8 @@ def test_bad_flags_are_one_line(args, message):
     (["--lora-modules", "a=/x"], "--lora-modules is not supported: no LoRA adapters"),
     (["--limit-mm-per-prompt", '{"image": 1}'], "--limit-mm-per-prompt is not supported: text only"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
+    (["--ssl-keyfile", "no/such/key.pem", "--ssl-certfile", "no/such/cert.pem"], "--ssl-keyfile 'no/such/key.pem' is "
+                                                                                 "not a file"),
 ])
 def test_vllm_flags_for_what_this_engine_does_not_do_are_refused_before_anything_loads(args, message):
     """(The same UsageError as --quantization's above, which the real command line turns into one line, exit 2.)"""
@@ -103,6 +105,35 @@ def test_vllm_flags_for_what_this_engine_does_not_do_are_refused_before_anything
 
     with pytest.raises(UsageError, match=re.escape(message)):
         check_args(build_parser().parse_args(args))
+
+
+def assert_cors(url: str) -> None:
+    """--allowed-origins '["http://a.example"]' --allow-credentials: that origin's preflight and requests are
+    allowed (the origin named, credentials allowed), another origin's preflight is refused."""
+    import urllib.error
+    import urllib.request
+
+    def call(method: str, origin: str, preflight: bool):
+        headers = {"Origin": origin, **({"Access-Control-Request-Method": "POST",
+                                         "Access-Control-Request-Headers": "authorization, content-type"}
+                                        if preflight else {})}
+        request = urllib.request.Request(url + "/v1/models", method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return resp.status, resp.headers
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers
+
+    status, headers = call("OPTIONS", "http://a.example", preflight=True)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://a.example"
+    assert headers["Access-Control-Allow-Credentials"] == "true"
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert call("OPTIONS", "http://b.example", preflight=True)[0] == 400
+    status, headers = call("GET", "http://a.example", preflight=False)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://a.example"
+    status, headers = call("GET", "http://b.example", preflight=False)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] is None
 
 
 @pytest.fixture
@@ -127,11 +158,14 @@ def test_a_server_from_a_cached_hub_id_honours_its_flags(tmp_path, hub_cache, co
                              # Qwen's published vllm serve flags, and others vLLM users pass
                              "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser",
                              "qwen3", "--block-size", "8", "--enable-chunked-prefill", "--kv-cache-dtype", "auto",
-                             "--disable-log-stats")
+                             "--disable-log-stats", "--revision", "main", "--download-dir", str(hub_cache / "hub"),
+                             "--response-role", "bot", "--return-tokens-as-token-ids",
+                             "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
+                             "--allowed-origins", '["http://a.example"]', "--allow-credentials")
     log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log:  # (the model is found through --download-dir, not $HF_HOME)
         server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "HF_HOME": str(hub_cache)})
+                                  env={k: v for k, v in os.environ.items() if k != "HF_HOME"})
     try:
         wait_until_healthy(server, url, log_path)
         status, _, body = http_json("POST", url + "/tokenize", {"messages": USER,
@@ -142,6 +176,12 @@ def test_a_server_from_a_cached_hub_id_honours_its_flags(tmp_path, hub_cache, co
         status, _, body = http_json("POST", url + "/v1/chat/completions",
                                     {"messages": USER, "max_tokens": 2, "logprobs": True, "top_logprobs": 3})
         assert status == 200 and len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+        assert body["choices"][0]["message"]["role"] == "bot"  # --response-role
+        first = body["choices"][0]["logprobs"]["content"][0]
+        assert first["token"].startswith("token_id:")  # --return-tokens-as-token-ids
+        assert all(top["token"].startswith("token_id:") for top in first["top_logprobs"])
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+        assert_cors(url)
         status, _, body = http_json("POST", url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "logprobs": 4})
         assert status == 400 and body["error"]["param"] == "logprobs" and "--max-logprobs" in body["error"]["message"]
         status, _, body = http_json("GET", url + "/v1/models/org/tiny")
@@ -187,3 +227,15 @@ def test_each_request_gets_an_access_log_line(server, caplog):
     get, post = lines()
     assert get.startswith("127.0.0.1:") and f'"GET {probe} HTTP/1.1" 404 ' in get and get.endswith(" ms")
     assert f'"POST {probe} HTTP/1.1" 405 ' in post
+
+
+def test_cross_origin_requests_are_allowed_by_default_as_in_vllm(server):
+    import urllib.request
+
+    headers = {"Origin": "http://any.example", "Access-Control-Request-Method": "POST"}
+    preflight = urllib.request.Request(server.url + "/v1/chat/completions", method="OPTIONS", headers=headers)
+    with urllib.request.urlopen(preflight, timeout=30) as resp:
+        assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "*"
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/health", headers={"Origin": "http://x"}),
+                                timeout=30) as resp:
+        assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "*"
