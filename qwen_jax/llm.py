@@ -144,7 +144,8 @@ class AsyncLLM:
         tokenizer_path = engine_args.get("tokenizer") or model_path
         self.tokenizer = load_tokenizer(tokenizer_path)
         # Read from the model files here, without a device: the core computes the same values.
-        self.config: ModelConfig = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]))
+        self.config: ModelConfig = read_model_config(model_path, engine_args.get("dtype", ENGINE_ARGS["dtype"]),
+                                                     engine_args.get("hf_overrides"))
         self.max_model_len = resolve_max_model_len(self.config, engine_args.get("max_model_len"))
         self.eos_token_ids = eos_ids(model_path, self.config, tokenizer_path)
         self.model_name = model_path.rstrip("/").split("/")[-1]
@@ -170,7 +171,7 @@ class AsyncLLM:
         elif layout == "auto" and not explicit and settings(given.get("num_hosts"))[0] == 1:
             gpus = visible_gpus()
             if len(gpus) > 1:
-                cfg = read_model_config(path, given.get("dtype", ENGINE_ARGS["dtype"]))
+                cfg = read_model_config(path, given.get("dtype", ENGINE_ARGS["dtype"]), given.get("hf_overrides"))
                 weights = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(param_shapes(cfg)))
                 dp, tp, ep = auto_layout(len(gpus), weights, gpu_memory_bytes())
                 given.update(data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=ep)

@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     frontend.add_argument("--download-dir", default=None,
                           help="the Hugging Face cache a hub id is looked up in; nothing is downloaded (default: "
                                "$HF_HOME's)")
+    frontend.add_argument("--hf-overrides", type=json_dict, default=None,
+                          help="a JSON object put over config.json's entries, e.g. '{\"max_position_embeddings\": "
+                               "32768}' (default: none)")
     frontend.add_argument("--enforce-eager", action="store_true",
                           help="run each step's kernels one by one, without CUDA graphs (XLA's command buffers "
                                "off): slower, for debugging (default: graphs on)")
@@ -214,7 +217,7 @@ REFUSED_SWITCHES = ("--enable-lora",)  # of those, the flags that take no value
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
                 "load_format", "dtype", "seed", "kernels", "num_scheduler_steps", "speculative_config", "num_hosts",
-                "host_index", "coordinator_address", "tokenizer", "block_size")
+                "host_index", "coordinator_address", "tokenizer", "block_size", "hf_overrides")
 
 
 def json_list(text: str) -> list[str]:
@@ -225,6 +228,17 @@ def json_list(text: str) -> list[str]:
         value = None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def json_dict(text: str) -> dict:
+    """A flag's JSON object (vllm serve's --hf-overrides '{"max_position_embeddings": 32768}')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
 
 
@@ -249,11 +263,11 @@ def check_args(args: argparse.Namespace) -> None:
     try:
         if args.model is not None:
             args.model = resolve_path(args.model, args.revision, args.download_dir)
-            read_model_config(args.model)  # a directory without config.json: ModelNotFound, in one line
+            read_model_config(args.model, overrides=args.hf_overrides)  # ModelNotFound without config.json
         if args.tokenizer is not None:
             args.tokenizer = resolve_path(args.tokenizer, args.revision, args.download_dir)
-    except ModelNotFound as exc:
-        raise UsageError(str(exc)) from None
+    except (ModelNotFound, ValueError) as exc:  # (ValueError: --hf-overrides that break the config)
+        raise UsageError(str(exc).replace("hf_overrides", "--hf-overrides", 1)) from None
     if args.chat_template is not None:
         args.chat_template = read_chat_template(args.chat_template)
     for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):

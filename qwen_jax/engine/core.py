@@ -59,6 +59,7 @@ ENGINE_ARGS = dict(
     load_format="auto",
     dtype="auto",
     tokenizer=None,  # a tokenizer directory (or hub id in the local cache) other than the model's
+    hf_overrides=None,  # a dict put over config.json's entries (vLLM's --hf-overrides)
     kernels="auto",  # "gpu": the kernels of pallas_kernels/ for the ops that have one; "reference": the jnp ops;
     # "auto": the kernels on a GPU, the references elsewhere
     seed=0,
@@ -153,7 +154,7 @@ class EngineCore:
         log.info("hot ops: %s (kernels=%s)", "the GPU kernels of pallas_kernels/" if kernels == "gpu" else
                  "the jnp references", args["kernels"])
         args["kernels"] = kernels  # what every replica compiles
-        cfg = read_model_config(model_path, args["dtype"])
+        cfg = read_model_config(model_path, args["dtype"], args["hf_overrides"])
         if args["load_format"] not in LOAD_FORMATS:
             raise ValueError(f"load_format {args['load_format']!r}: expected one of {', '.join(LOAD_FORMATS)}")
         source = None if args["load_format"] in RANDOM_LOAD_FORMATS else open_checkpoint(model_path)[1]

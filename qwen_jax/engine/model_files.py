@@ -56,10 +56,24 @@ def _read_config(model_path: str) -> dict:
         return json.load(f)
 
 
-def read_model_config(model_path: str, dtype: str = "auto") -> ModelConfig:
-    """The config the engine serves: a model directory's config.json (or a llama2.c header), in `dtype`."""
+def read_model_config(model_path: str, dtype: str = "auto", overrides: dict | None = None) -> ModelConfig:
+    """The config the engine serves: a model directory's config.json (or a llama2.c header), in `dtype`, with
+    `overrides` (vLLM's --hf-overrides) put over the decoder's entries (`text_config`'s in a multimodal wrapper)."""
     config_dict = _read_config(model_path) if os.path.isdir(model_path) else open_checkpoint(model_path)[0]
-    cfg = from_hf_dict(config_dict)
+    if overrides:
+        if not isinstance(overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json entries, got {overrides!r}")
+        config_dict = dict(config_dict)
+        if isinstance(config_dict.get("text_config"), dict):
+            config_dict["text_config"] = {**config_dict["text_config"], **overrides}
+        else:
+            config_dict.update(overrides)
+    try:
+        cfg = from_hf_dict(config_dict)
+    except (KeyError, TypeError, ValueError) as exc:
+        if not overrides:
+            raise
+        raise ValueError(f"hf_overrides {overrides} make an invalid config: {type(exc).__name__}: {exc}") from None
     return cfg if dtype == "auto" else cfg.with_dtype(dtype)
 
 

@@ -18,6 +18,14 @@ def test_async_llm_limits_known_before_start(hybrid_dir, kit):
     assert AsyncLLM.from_engine_args(hybrid_dir, max_model_len=48).max_model_len == 48
 
 
+def test_hf_overrides_go_over_the_config_and_a_broken_one_is_named(hybrid_dir):
+    """vLLM's hf_overrides: entries put over config.json's before anything reads it (the core reads it the same)."""
+    overridden = AsyncLLM.from_engine_args(hybrid_dir, hf_overrides={"max_position_embeddings": 96})
+    assert overridden.config.max_position_embeddings == 96 and overridden.max_model_len == 96
+    with pytest.raises(ValueError, match="hf_overrides .* make an invalid config"):
+        AsyncLLM.from_engine_args(hybrid_dir, hf_overrides={"num_hidden_layers": "many"})
+
+
 def test_a_model_directory_without_a_config_is_an_error_naming_it(tmp_path):
     from qwen_jax import LLM, ModelNotFound
 

@@ -82,6 +82,8 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(default_model_dir):
     (["--layout", "DP=2", "-tp", "2"], "--layout DP=2 and -tp both set the layout: give one"),
     (["--quantization", "fp8"], "--quantization is not supported: weights stay in BF16"),
     (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+    (["--hf-overrides", "[1]"], "expected a JSON object"),
+    (["--allowed-origins", "http://a"], "expected a JSON list of strings"),
 ])
 def test_bad_flags_are_one_line(args, message):
     result = run_cli(*args, "--port", str(free_port()))
@@ -96,15 +98,18 @@ def test_bad_flags_are_one_line(args, message):
     (["--lora-modules", "a=/x"], "--lora-modules is not supported: no LoRA adapters"),
     (["--limit-mm-per-prompt", '{"image": 1}'], "--limit-mm-per-prompt is not supported: text only"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
+    (["--model", "{model}", "--hf-overrides", '{"num_hidden_layers": "many"}'], "--hf-overrides {'num_hidden_layers': "
+                                                                                "'many'} make an invalid config"),
     (["--ssl-keyfile", "no/such/key.pem", "--ssl-certfile", "no/such/cert.pem"], "--ssl-keyfile 'no/such/key.pem' is "
                                                                                  "not a file"),
 ])
-def test_vllm_flags_for_what_this_engine_does_not_do_are_refused_before_anything_loads(args, message):
+def test_vllm_flags_for_what_this_engine_does_not_do_are_refused_before_anything_loads(args, message,
+                                                                                       default_model_dir):
     """(The same UsageError as --quantization's above, which the real command line turns into one line, exit 2.)"""
     from server.__main__ import UsageError, build_parser, check_args
 
     with pytest.raises(UsageError, match=re.escape(message)):
-        check_args(build_parser().parse_args(args))
+        check_args(build_parser().parse_args([a.replace("{model}", default_model_dir) for a in args]))
 
 
 def assert_cors(url: str) -> None:
