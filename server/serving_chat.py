@@ -7,6 +7,7 @@ Builds prompts and choice fields only; the engine requests and the stream are se
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -58,8 +59,12 @@ class ChatChoice(ChoiceWriter):
         self.thinking = req.enable_thinking
         self.echo = req.echo_text
         self.splitter = ReasoningSplitter(self.thinking)
-        # with tools on, the reply's content is parsed for tool calls
-        self.tools = ToolParser([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools_on else None
+        # with tools on, the reply's content and its think block are parsed for tool calls (numbered in one order)
+        self.tools = self.think_tools = None
+        if req.tools_on:
+            tools, index = [t.model_dump(exclude_none=True) for t in req.tools], itertools.count().__next__
+            self.tools = ToolParser(tools, next_index=index)
+            self.think_tools = ToolParser(tools, keep_text_after_calls=True, next_index=index)
         self.num_calls = 0
 
     def opening(self) -> dict:
@@ -71,19 +76,23 @@ class ChatChoice(ChoiceWriter):
         if out.finished:
             r2, c2 = self.splitter.flush()
             reasoning, content = reasoning + r2, content + c2
-        calls: list[ToolCall] = []
+        calls: list[dict] = []
         if self.tools is not None:
-            content, calls = self.tools.feed(content)
+            reasoning, found = self.think_tools.feed(reasoning)
+            calls += found
+            content, found = self.tools.feed(content)
+            calls += found
             if out.finished:
+                reasoning += self.think_tools.flush()
                 content += self.tools.flush()
+            self.num_calls = len(self.think_tools.calls) + len(self.tools.calls)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = [call.openai(index=self.num_calls + k) for k, call in enumerate(calls)]
-            self.num_calls += len(calls)
+            delta["tool_calls"] = calls
         return {"delta": delta, "logprobs": chat_logprobs(self.token_texts, logprobs) if logprobs is not None
                 else None}
 
@@ -92,15 +101,18 @@ class ChatChoice(ChoiceWriter):
         reasoning, content = split.feed(out.text)
         r2, c2 = split.flush()
         content = self.echo + content + c2
+        reasoning += r2
         calls: list[ToolCall] = []
         if self.tools is not None:
-            content, calls = self.tools.parse(content)
+            reasoning, calls = self.think_tools.parse(reasoning)
+            content, found = self.tools.parse(content)
+            calls += found
             self.num_calls = len(calls)
         message: dict[str, Any] = {"role": self.role, "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = [call.openai() for call in calls]
         if self.thinking:
-            message["reasoning_content"] = reasoning + r2
+            message["reasoning_content"] = reasoning
         logprobs = chat_logprobs(self.token_texts, out.logprobs or []) if self.show_logprobs else None
         return {"message": message, "logprobs": logprobs}
 

@@ -10,9 +10,11 @@ Text in, text and tool calls out; never touches the engine. Two formats: Qwen3.5
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 CALL_OPEN = "<tool_call>"
@@ -49,38 +51,47 @@ def forcing_tag(fmt: str, tools: list[dict], tool_choice: str | dict, thinking: 
 @dataclasses.dataclass
 class ToolCall:
     name: str
-    arguments: dict
+    arguments: str  # JSON text (an unfinished call's: what was generated of it)
     id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def openai(self, index: int | None = None) -> dict:
-        """As a message's tool_calls entry (with `index`: as a stream delta's)."""
-        call = {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
-        return call if index is None else {"index": index, **call}
+    def openai(self) -> dict:
+        """As a message's tool_calls entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 class ToolParser:
     """Splits a reply's content into text and tool calls, whole (`parse`) or streamed (`feed`, then `flush`): the
-    text before the first call, then every call in order; text after a call is dropped, as the formats allow none,
-    and a block that does not parse is text. `tools` (the request's, OpenAI shape) give each argument its JSON type
-    in the XML format, whose values are bare text."""
+    text before the first call, then every call in order; text after a call is dropped, as the formats allow none
+    (`keep_text_after_calls`: kept, for a think block), and a block that does not parse is text. `tools` (the
+    request's, OpenAI shape) give each argument its JSON type in the XML format, whose values are bare text.
 
-    def __init__(self, tools: list[dict]):
+    A call is streamed as it is generated: its id and name once its name is complete, then its arguments' JSON text
+    as it grows (in the XML format a parameter at a time, in the JSON format as written), so the pieces add up to
+    the arguments a whole parse gives. Once its name is out a call stays a call: a reply cut short inside it ends with
+    the arguments generated so far. `next_index` numbers the calls (shared by a choice's parsers)."""
+
+    def __init__(self, tools: list[dict], keep_text_after_calls: bool = False,
+                 next_index: Callable[[], int] | None = None):
         self.tools = tools
         self.schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}) for t in tools}
+        self.keep_text_after_calls = keep_text_after_calls
+        self.next_index = next_index or itertools.count().__next__
         self.pending = ""  # streamed text not released yet: trailing whitespace, a possible tag start, an open call
-        self.calls: list[ToolCall] = []
+        self.calls: list[ToolCall] = []  # every call whose name is out, the open one last
+        self._open: tuple[int, ToolCall] | None = None  # the call being streamed (its index) and its arguments so far
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole reply: (its text, its calls)."""
-        parser = ToolParser(self.tools)
-        content, calls = parser.feed(text)
-        return content + parser.flush(), calls
+        parser = ToolParser(self.tools, self.keep_text_after_calls)
+        content, _ = parser.feed(text)
+        return content + parser.flush(), parser.calls
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        """A streamed piece: (the text that is surely no part of a call, the calls it completed)."""
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """A streamed piece: (the text that is surely no part of a call, the tool-call deltas it makes: OpenAI's
+        stream entries, one per call index)."""
         self.pending += delta
-        text, calls = [], []
+        text: list[str] = []
+        deltas: dict[int, dict] = {}
         while True:
             start = self.pending.find(CALL_OPEN)
             if start < 0:  # hold back what may still turn out to precede or open a call
@@ -94,51 +105,125 @@ class ToolParser:
             self.pending = self.pending[len(before):]
             start = self.pending.find(CALL_OPEN)
             end = self.pending.find(CALL_CLOSE, start)
-            if end < 0:
+            body = self.pending[start + len(CALL_OPEN):end if end >= 0 else len(self.pending)]
+            if end < 0:  # open: stream what of it is certain
+                self._stream(body, deltas, final=False)
                 break
-            call = self._call(self.pending[start + len(CALL_OPEN):end])
-            if call is None:  # not a call after all: text
+            if not self._stream(body, deltas, final=True):  # not a call after all: text
                 self._text(text, self.pending[:end + len(CALL_CLOSE)])
-            else:
-                self.calls.append(call)
-                calls.append(call)
             self.pending = self.pending[end + len(CALL_CLOSE):]
-        return "".join(text), calls
+        return "".join(text), list(deltas.values())
 
     def flush(self) -> str:
-        """What is still held back when the reply ends (an unfinished call is text)."""
+        """What is still held back when the reply ends: text, unless a call was cut short (it ends as generated)."""
         rest, self.pending = self.pending, ""
-        return "" if self.calls else rest
+        if self._open is not None:
+            self._open = None
+            return ""
+        return "" if self.calls and not self.keep_text_after_calls else rest
 
     def _text(self, out: list[str], text: str) -> None:
         """Release text, with the whitespace held back before it (none once a call came: the rest is dropped)."""
-        if text and not self.calls:
+        if text and (self.keep_text_after_calls or not self.calls):
             out.append(text)
 
-    def _call(self, body: str) -> ToolCall | None:
-        body = body.strip()
-        if body.startswith("<function="):
-            match = _XML_FUNCTION.fullmatch(body)
-            if match is None:
-                return None
-            name = match.group(1).strip()
-            params = self.schemas.get(name, {}).get("properties", {})
-            arguments = {key.strip(): _typed(value.strip(), params.get(key.strip(), {}))
-                         for key, value in _XML_PARAMETER.findall(match.group(2))}
-            return ToolCall(name, arguments)
+    def _stream(self, body: str, deltas: dict[int, dict], final: bool) -> bool:
+        """Send what is new of the call whose body (so far) is `body`; `final`: the body is whole. Whether it is a
+        call: one whose name reads is, even if the rest does not parse (it keeps the arguments that do, as a stream
+        that sent its name must)."""
+        name, arguments = self._read(body, final)
+        if final and name is None:  # a whole call that does not parse: as far as it reads, as if streamed
+            name, arguments = self._read(body, False)
+        if self._open is None:
+            if name is None:
+                return False
+            call = ToolCall(name, "")
+            index = self.next_index()
+            self._open = (index, call)
+            self.calls.append(call)
+            deltas[index] = {"index": index, "id": call.id, "type": "function",
+                             "function": {"name": name, "arguments": ""}}
+        index, call = self._open
+        if arguments is not None and arguments.startswith(call.arguments) and len(arguments) > len(call.arguments):
+            entry = deltas.setdefault(index, {"index": index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += arguments[len(call.arguments):]
+            call.arguments = arguments
+        if final:
+            self._open = None
+        return True
+
+    def _read(self, body: str, final: bool) -> tuple[str | None, str | None]:
+        """(the call's name, its arguments' JSON text) as far as `body` makes them certain: a prefix of the whole
+        call's arguments text while it is open; the whole text once `final` (None where it does not parse)."""
+        stripped = body.lstrip()
+        if stripped.startswith("<function="):
+            return self._read_xml(stripped, final)
+        if stripped.startswith("{"):
+            return _read_json(stripped, final)
+        return None, None
+
+    def _read_xml(self, body: str, final: bool) -> tuple[str | None, str | None]:
+        head = re.match(r"<function=([^>\n]+)>", body)
+        if head is None:
+            return None, None
+        name = head.group(1).strip()
+        rest = body[head.end():]
+        if final and _XML_FUNCTION.fullmatch(body.strip()) is None:
+            return None, None
+        params = self.schemas.get(name, {}).get("properties", {})
+        pairs = [f"{json.dumps(key.strip(), ensure_ascii=False)}: "
+                 f"{json.dumps(_typed(value.strip(), params.get(key.strip(), {})), ensure_ascii=False)}"
+                 for key, value in _XML_PARAMETER.findall(rest)]
+        return name, "{" + ", ".join(pairs) + ("}" if final else "")
+
+
+def _read_json(body: str, final: bool) -> tuple[str | None, str | None]:
+    """A JSON-format call's name and arguments text: the arguments object as written (a string of JSON: its
+    content, once whole)."""
+    if final:
         try:
-            data = json.loads(body)
+            data = json.loads(body.strip())
         except ValueError:
-            return None
+            return None, None
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            return None
+            return None, None
         arguments = data.get("arguments", data.get("parameters", {}))
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                return (data["name"], arguments) if isinstance(json.loads(arguments), dict) else (None, None)
             except ValueError:
-                return None
-        return ToolCall(data["name"], arguments) if isinstance(arguments, dict) else None
+                return None, None
+        if not isinstance(arguments, dict):
+            return None, None
+        written = _json_value_text(body, ("arguments", "parameters"))
+        return data["name"], written if written is not None and json.loads(written) == arguments else json.dumps(
+            arguments, ensure_ascii=False)
+    name = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
+    if name is None:
+        return None, None
+    return json.loads(f'"{name.group(1)}"'), _json_value_text(body, ("arguments", "parameters"), whole=False)
+
+
+def _json_value_text(body: str, keys: tuple[str, ...], whole: bool = True) -> str | None:
+    """The text of the object value of the first of `keys` in `body` as written, up to its closing brace (`whole`
+    False: as much of it as is there); None when there is no such object value (yet)."""
+    found = re.search(r'"(?:' + "|".join(keys) + r')"\s*:\s*', body)
+    if found is None or body[found.end():found.end() + 1] != "{":
+        return None
+    start, depth, in_string, escaped = found.end(), 0, False, False
+    for at in range(start, len(body)):
+        ch = body[at]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return body[start:at + 1]
+    return None if whole else body[start:]
 
 
 def _typed(value: str, schema: dict) -> Any:

@@ -113,16 +113,24 @@ def test_named_tool_choice_round_trip(client, tools_server, rendered):
 
 
 def test_required_tool_choice_streams_tool_call_deltas(client):
+    """The call's name comes first, then its arguments in pieces as they are generated; the openai client's stream
+    helper accumulates them into exactly the non-streamed call's arguments."""
     kwargs = dict(model="tools", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=150,
                   temperature=1.0, seed=4, parallel_tool_calls=False)
     whole = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     streamed = [call for d in deltas for call in d.tool_calls or []]
-    assert [c.index for c in streamed] == [0]
+    assert {c.index for c in streamed} == {0} and len(streamed) > 2  # a name, then several argument pieces
     assert streamed[0].function.name == "get_weather" and streamed[0].id.startswith("call_")
-    assert json.loads(streamed[0].function.arguments) == assert_weather_call(whole.choices[0].message.tool_calls[0])
+    assert all(c.id is None and c.function.name is None for c in streamed[1:])
+    arguments = "".join(c.function.arguments or "" for c in streamed)
+    assert arguments == whole.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(arguments) == assert_weather_call(whole.choices[0].message.tool_calls[0])
     assert not "".join(d.content or "" for d in deltas)
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.arguments == arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert whole.choices[0].finish_reason == "tool_calls"
 

@@ -28,7 +28,23 @@ JSON_CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("noop", {})]
 
 
 def calls_of(calls):
-    return [(c.name, c.arguments) for c in calls]
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def streamed(parser: ToolParser, reply: str, piece: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """Feed `reply` in pieces of `piece` characters; (the content, each call as the OpenAI client accumulates its
+    stream deltas: (id, name, arguments text))."""
+    content, calls = "", {}
+    for at in range(0, len(reply), piece):
+        text, deltas = parser.feed(reply[at:at + piece])
+        content += text
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.get("id", call["id"])
+            call["name"] += delta["function"].get("name", "")
+            call["arguments"] += delta["function"].get("arguments", "")
+    content += parser.flush()
+    return content, [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
 
 
 @pytest.mark.parametrize("reply, content, calls", [
@@ -36,7 +52,7 @@ def calls_of(calls):
     (JSON_REPLY, "", JSON_CALLS),
     ("no call here <tool", "no call here <tool", []),
     ("<tool_call>\n{broken json}\n</tool_call> and text", "<tool_call>\n{broken json}\n</tool_call> and text", []),
-    ("cut short <tool_call>\n<function=noop>\n", "cut short <tool_call>\n<function=noop>\n", []),
+    ("cut short <tool_call>\n<function=noop", "cut short <tool_call>\n<function=noop", []),  # no name yet: text
     ("before <tool_call>\n{\"name\": \"noop\", \"arguments\": {}}\n</tool_call> after", "before",
      [("noop", {})]),
 ])
@@ -46,30 +62,63 @@ def test_a_whole_reply_splits_into_content_and_typed_calls(reply, content, calls
     for call in got_calls:  # OpenAI's shape: arguments as JSON text, an id per call
         openai = call.openai()
         assert openai["type"] == "function" and openai["id"].startswith("call_")
-        assert json.loads(openai["function"]["arguments"]) == call.arguments
+        assert openai["function"]["arguments"] == call.arguments
 
 
-@pytest.mark.parametrize("reply", [XML_REPLY, JSON_REPLY, "plain text, trailing space  ", "x <tool_call>\n{bad}"])
+def test_a_call_cut_short_after_its_name_stays_a_call_with_the_arguments_generated():
+    """Once a call's name is out (streamed) it is a call, whole or streamed: a reply that ends inside it ends with
+    the arguments so far."""
+    reply = "cut short <tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n<parameter=da"
+    content, calls = ToolParser(TOOLS).parse(reply)
+    assert content == "cut short" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Lima"')]
+    assert streamed(ToolParser(TOOLS), reply, 3)[1][0][1:] == ("get_weather", '{"city": "Lima"')
+
+
+@pytest.mark.parametrize("reply", [XML_REPLY, JSON_REPLY, "plain text, trailing space  ", "x <tool_call>\n{bad}",
+                                   JSON_REPLY.replace('"arguments": {', '"arguments": {"note": "a } and \\" {", ', 1),
+                                   JSON_REPLY.replace('"days": 2}', '"days": }')])  # a name, then broken arguments
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
 def test_streaming_in_any_pieces_gives_the_whole_replys_content_and_calls(reply, piece):
+    """The streamed argument pieces add up to exactly the whole call's arguments text (what the OpenAI client
+    accumulates is what a whole reply gives)."""
     whole_content, whole_calls = ToolParser(TOOLS).parse(reply)
-    parser = ToolParser(TOOLS)
-    content, calls = "", []
-    for at in range(0, len(reply), piece):
-        text, new = parser.feed(reply[at:at + piece])
-        content += text
-        calls += new
-    content += parser.flush()
+    content, calls = streamed(ToolParser(TOOLS), reply, piece)
     assert content == whole_content
-    assert calls_of(calls) == calls_of(whole_calls)
+    assert [(name, arguments) for _, name, arguments in calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert all(call_id.startswith("call_") for call_id, _, _ in calls)
 
 
-def test_calls_are_streamed_as_soon_as_they_close():
+def test_arguments_are_streamed_as_they_are_generated():
+    """A call's name goes out as soon as it is complete, its arguments as they grow: the JSON format's as written,
+    the XML format's a parameter at a time; the call is not held back until it closes."""
     parser = ToolParser(TOOLS)
-    first_end = JSON_REPLY.index("</tool_call>") + len("</tool_call>")
-    assert calls_of(parser.feed(JSON_REPLY[:first_end - 1])[1]) == []
-    assert calls_of(parser.feed(JSON_REPLY[first_end - 1:first_end])[1]) == JSON_CALLS[:1]
-    assert calls_of(parser.feed(JSON_REPLY[first_end:])[1]) == JSON_CALLS[1:]
+    inside = JSON_REPLY.index('"days"')
+    _, deltas = parser.feed(JSON_REPLY[:inside])
+    assert deltas == [{"index": 0, "id": parser.calls[0].id, "type": "function",
+                       "function": {"name": "get_weather", "arguments": '{"city": "Paris", '}}]
+    _, deltas = parser.feed(JSON_REPLY[inside:JSON_REPLY.index("</tool_call>")])
+    assert deltas == [{"index": 0, "function": {"arguments": '"days": 2}'}}]
+    parser = ToolParser(TOOLS)
+    first_parameter = XML_REPLY.index("<parameter=days>")
+    _, deltas = parser.feed(XML_REPLY[:first_parameter])
+    assert [d["function"] for d in deltas] == [{"name": "get_weather", "arguments": '{"city": "New York"'}]
+    _, deltas = parser.feed(XML_REPLY[first_parameter:XML_REPLY.index("<parameter=metric>")])
+    assert [d["function"] for d in deltas] == [{"arguments": ', "days": 3'}]
+
+
+def test_calls_inside_a_think_block_are_parsed_and_numbered_with_the_others():
+    """vLLM issue 39056: a call made while thinking is a call; the think block keeps its text around it."""
+    import itertools
+
+    index = itertools.count().__next__
+    think, answer = ToolParser(TOOLS, keep_text_after_calls=True, next_index=index), ToolParser(TOOLS, next_index=index)
+    reasoning = 'First the weather. <tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call> Then answer.'
+    text, deltas = think.feed(reasoning)
+    assert text + think.flush() == "First the weather. Then answer." and deltas[0]["index"] == 0
+    _, deltas = answer.feed(JSON_REPLY)
+    assert [d["index"] for d in deltas] == [1, 2]
+    whole_text, whole_calls = ToolParser(TOOLS, keep_text_after_calls=True).parse(reasoning)
+    assert whole_text == "First the weather. Then answer." and calls_of(whole_calls) == [("noop", {})]
 
 
 def test_the_chat_templates_tool_call_format_is_recognised(default_model_dir, shared_data):
