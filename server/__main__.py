@@ -36,166 +36,175 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"qwen-jax {version()}")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as vllm serve takes it (the same as --model) (default: --model's)")
-    p.add_argument("--model", default=None,
-                   help="an HF model directory, or a hub id (org/name) already in the local Hugging Face cache "
-                        "(nothing is downloaded) (default: the built-in tiny random model)")
-    p.add_argument("--tokenizer", default=None,
-                   help="a tokenizer directory or cached hub id other than the model's (default: the model's)")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file, or the template itself in one line (default: the tokenizer's)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for vllm serve's command lines; not needed: no model code is ever loaded from a "
-                        "checkpoint (default: off)")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on, checked before the model loads "
+    g = p.add_argument_group("Frontend")
+    g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on, checked before the model loads "
                                                           "(default: %(default)s)")
-    p.add_argument("--served-model-name", default=None,
-                   help="name reported by /v1/models and in responses (default: the model directory's name)")
-    p.add_argument("--api-key", default=os.environ.get("QWEN_JAX_API_KEY"),
+    g.add_argument("--api-key", default=os.environ.get("QWEN_JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1, /invocations, /tokenize and /detokenize "
                         "(default: $QWEN_JAX_API_KEY, else none)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                   help=engine("tensor_parallel_size", "devices each replica's weights are split over"))
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
-                   help=engine("data_parallel_size", "independent replicas, each on its own devices"))
-    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
-                   help=engine("enable_expert_parallel", "split the routed experts over the devices instead of "
-                                                         "each expert's weights"))
-    p.add_argument("--layout", default="auto",
-                   help="where the model runs: 'auto' puts it on every visible GPU of this host in the best measured "
-                        "layout unless -tp, -dp or --enable-expert-parallel is given (one GPU: itself; its table: "
-                        "docs/ARCHITECTURE.md, 'Layouts'), or 'DP=2,TP=2' / 'TP=4,EP' / 'EP=4' (default: "
-                        "%(default)s)")
-    p.add_argument("--num-hosts", type=int, default=None,
-                   help="processes (hosts) serving one model together, joined by jax.distributed; host 0 alone "
-                        "serves HTTP (default: $JAX_NUM_PROCESSES, else 1)")
-    p.add_argument("--host-index", type=int, default=None,
-                   help="this host, 0..num-hosts-1: 0 serves HTTP and schedules every step, the others serve no "
-                        "HTTP and run host 0's steps until it stops (default: $JAX_PROCESS_ID, else 0)")
-    p.add_argument("--coordinator-address", default=None,
-                   help="host:port on host 0 for jax.distributed's coordinator (default: $JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, or the template itself in one line (default: the tokenizer's)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of a chat completion's message (default: %(default)s)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto' (always on here: a chat template that renders tools gets them, and "
+                        "the reply is parsed for calls) (default: on)")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                   help="the format a forced tool call (tool_choice 'required' or a named function) is written "
+                        "in: qwen3_coder / qwen3_xml, Qwen3.5's XML; hermes, Qwen3's JSON; replies are parsed "
+                        "in either (default: the one the chat template teaches)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:<id>' instead of its text (default: off)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens (always given here) (default: on)")
+    g.add_argument("--allowed-origins", type=json_list, default=["*"],
+                   help="origins allowed cross-origin requests, a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-methods", type=json_list, default=["*"],
+                   help="methods allowed cross-origin, a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-headers", type=json_list, default=["*"],
+                   help="headers allowed cross-origin, a JSON list (default: [\"*\"])")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="cross-origin requests may carry credentials (default: off)")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file (default: HTTP)")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file (default: "
+                                                        "HTTP)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with (default: "
+                                                        "none)")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves this server under (ASGI root_path) (default: none)")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="the HTTP server's own log level (Hypercorn's here; trace is debug) (default: "
+                        "--log-level's)")
+    g.add_argument("--disable-access-log", "--disable-uvicorn-access-log", "--disable-log-requests",
+                   action="store_true",
+                   help="no log line per request (method, path, status, latency) (default: one line each)")
+    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies get 413 (default: %(default)s)")
+    g.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT nothing new is admitted and requests not started get 503; running ones "
+                        "may take this many seconds to finish before each is ended with an error body (or an SSE "
+                        "error event and [DONE]); a second signal ends them at once (default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="the least severe log records written (default: %(default)s)")
+    g = p.add_argument_group("ModelConfig")
+    g.add_argument("--model", default=None,
+                   help="an HF model directory, or a hub id (org/name) already in the local Hugging Face cache "
+                        "(nothing is downloaded) (default: the built-in tiny random model)")
+    g.add_argument("--tokenizer", default=None,
+                   help="a tokenizer directory or cached hub id other than the model's (default: the model's)")
+    g.add_argument("--served-model-name", default=None,
+                   help="name reported by /v1/models and in responses (default: the model directory's name)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vllm serve's command lines; not needed: no model code is ever loaded from a "
+                        "checkpoint (default: off)")
+    g.add_argument("--revision", default=None,
+                   help="the revision of a hub id's model in the local Hugging Face cache (default: main)")
+    g.add_argument("--hf-overrides", type=json_dict, default=None,
+                   help="a JSON object put over config.json's entries, e.g. '{\"max_position_embeddings\": "
+                        "32768}' (default: none)")
+    g.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
+                   help=engine("dtype", "weights' and activations' type; auto: the checkpoint's"))
+    g.add_argument("--seed", type=int, default=None,
+                   help=engine("seed", "seed of the random weights and of requests sent without one"))
+    g.add_argument("--max-model-len", type=int, default=None,
                    help="the longest sequence, prompt and completion (default: the model's "
                         "max_position_embeddings, at most 8192)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help=engine("max_num_seqs", "sequences each replica runs at once"))
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=engine("max_num_batched_tokens", "tokens each replica runs in one step"))
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help=engine("gpu_memory_utilization", "fraction of device memory for weights and cache"))
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help=engine("enable_prefix_caching", "reuse the cache of a prompt's already computed prefix"))
-    p.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+    g.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
+                   help="the most logprobs per token a request may ask for, at most the sampler's "
+                        f"{SamplingParams.MAX_LOGPROBS} (default: %(default)s)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run each step's kernels one by one, without CUDA graphs (XLA's command buffers "
+                        "off): slower, for debugging (default: graphs on)")
+    g = p.add_argument_group("LoadConfig")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
                    help=engine("load_format", "auto reads the checkpoint; dummy makes random weights of its shapes "
                                               "(config.json alone is needed); dummy_echo, a benchmarking aid for "
                                               "--speculative-config, makes those weights with every layer's "
                                               "residual writers zero and the MTP head drafting what the model will "
                                               "emit: every draft is accepted at random weights' cost"))
-    p.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
-                   help=engine("dtype", "weights' and activations' type; auto: the checkpoint's"))
-    p.add_argument("--seed", type=int, default=None,
-                   help=engine("seed", "seed of the random weights and of requests sent without one"))
-    p.add_argument("--kernels", choices=("auto", "reference", "gpu"), default=None,
-                   help=engine("kernels", "hot ops as the GPU kernels of pallas_kernels/ (gpu), as jnp references "
-                                          "(reference), or the kernels on a GPU and the references elsewhere "
-                                          "(auto)"))
-    p.add_argument("--warmup", choices=("auto", "minimal", "full"), default="auto",
-                   help="step programs compiled before /health turns 200: 'full' compiles every token bucket up to "
-                        "--max-num-batched-tokens; auto: full on a GPU, minimal on the CPU (default: %(default)s)")
-    p.add_argument("--num-scheduler-steps", type=int, default=None,
-                   help="decode steps run in one program for batches of a few requests (default: 4 on a GPU, 1 "
-                        "elsewhere)")
-    p.add_argument("--speculative-config", default=None,
-                   help=engine("speculative_config", "speculative decoding with the model's MTP head: by default "
-                               "where it pays, when the checkpoint has the head; JSON such as '{\"method\": \"mtp\", "
-                               "\"num_speculative_tokens\": 2}' for k drafts on every step that can verify; 'off'"))
-    p.add_argument("--max-logprobs", type=int, default=SamplingParams.MAX_LOGPROBS,
-                   help="the most logprobs per token a request may ask for, at most the sampler's "
-                        f"{SamplingParams.MAX_LOGPROBS} (default: %(default)s)")
-    p.add_argument("--json-whitespace", choices=tuple(JSON_WHITESPACE), default="bounded",
+    g.add_argument("--download-dir", default=None,
+                   help="the Hugging Face cache a hub id is looked up in; nothing is downloaded (default: "
+                        "$HF_HOME's)")
+    g = p.add_argument_group("StructuredOutputsConfig")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="the think block (<think>...</think>) goes to reasoning_content; these parsers' tags are "
+                        "the ones split (default: on)")
+    g.add_argument("--json-whitespace", choices=tuple(JSON_WHITESPACE), default="bounded",
                    help="whitespace between JSON tokens in structured outputs (response_format, structured_outputs) "
                         "when a request does not say: runs of at most 16 characters, any, or none (a request's "
                         "structured_outputs any_whitespace / disable_any_whitespace overrides it; default: "
                         "%(default)s)")
-    p.add_argument("--max-queue-len", type=int, default=1024,
+    g = p.add_argument_group("ParallelConfig")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help=engine("tensor_parallel_size", "devices each replica's weights are split over"))
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help=engine("data_parallel_size", "independent replicas, each on its own devices"))
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help=engine("enable_expert_parallel", "split the routed experts over the devices instead of "
+                                                         "each expert's weights"))
+    g.add_argument("--layout", default="auto",
+                   help="where the model runs: 'auto' puts it on every visible GPU of this host in the best measured "
+                        "layout unless -tp, -dp or --enable-expert-parallel is given (one GPU: itself; its table: "
+                        "docs/ARCHITECTURE.md, 'Layouts'), or 'DP=2,TP=2' / 'TP=4,EP' / 'EP=4' (default: "
+                        "%(default)s)")
+    g.add_argument("--num-hosts", type=int, default=None,
+                   help="processes (hosts) serving one model together, joined by jax.distributed; host 0 alone "
+                        "serves HTTP (default: $JAX_NUM_PROCESSES, else 1)")
+    g.add_argument("--host-index", type=int, default=None,
+                   help="this host, 0..num-hosts-1: 0 serves HTTP and schedules every step, the others serve no "
+                        "HTTP and run host 0's steps until it stops (default: $JAX_PROCESS_ID, else 0)")
+    g.add_argument("--coordinator-address", default=None,
+                   help="host:port on host 0 for jax.distributed's coordinator (default: $JAX_COORDINATOR_ADDRESS)")
+    g = p.add_argument_group("CacheConfig")
+    g.add_argument("--block-size", type=int, default=None,
+                   help=engine("block_size", "tokens per KV cache block"))
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help=engine("gpu_memory_utilization", "fraction of device memory for weights and cache"))
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help=engine("enable_prefix_caching", "reuse the cache of a prompt's already computed prefix"))
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="the KV cache's type: auto, the activations' (another type, such as fp8, is refused: "
+                        "nothing that changes outputs vs BF16) (default: %(default)s)")
+    g = p.add_argument_group("SchedulerConfig")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help=engine("max_num_seqs", "sequences each replica runs at once"))
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=engine("max_num_batched_tokens", "tokens each replica runs in one step"))
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prompts longer than a step's token budget are prefilled over several steps (always on "
+                        "here; --no-enable-chunked-prefill is refused) (default: on)")
+    g.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode steps run in one program for batches of a few requests (default: 4 on a GPU, 1 "
+                        "elsewhere)")
+    g.add_argument("--max-queue-len", type=int, default=1024,
                    help="engine requests allowed to wait beyond --max-num-seqs; more are answered 503 "
                         "(default: %(default)s)")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
-                   help="larger request bodies get 413 (default: %(default)s)")
-    p.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT nothing new is admitted and requests not started get 503; running ones "
-                        "may take this many seconds to finish before each is ended with an error body (or an SSE "
-                        "error event and [DONE]); a second signal ends them at once (default: %(default)s)")
-    p.add_argument("--compilation-cache-dir", default=os.environ.get("QWEN_JAX_COMPILATION_CACHE"),
+    g = p.add_argument_group("SpeculativeConfig")
+    g.add_argument("--speculative-config", default=None,
+                   help=engine("speculative_config", "speculative decoding with the model's MTP head: by default "
+                               "where it pays, when the checkpoint has the head; JSON such as '{\"method\": \"mtp\", "
+                               "\"num_speculative_tokens\": 2}' for k drafts on every step that can verify; 'off'"))
+    g = p.add_argument_group("ObservabilityConfig")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted; this server logs no periodic stats (they are at /metrics) (default: off)")
+    g = p.add_argument_group("qwen-jax", "the engine's compilation and kernels")
+    g.add_argument("--kernels", choices=("auto", "reference", "gpu"), default=None,
+                   help=engine("kernels", "hot ops as the GPU kernels of pallas_kernels/ (gpu), as jnp references "
+                                          "(reference), or the kernels on a GPU and the references elsewhere "
+                                          "(auto)"))
+    g.add_argument("--warmup", choices=("auto", "minimal", "full"), default="auto",
+                   help="step programs compiled before /health turns 200: 'full' compiles every token bucket up to "
+                        "--max-num-batched-tokens; auto: full on a GPU, minimal on the CPU (default: %(default)s)")
+    g.add_argument("--compilation-cache-dir", default=os.environ.get("QWEN_JAX_COMPILATION_CACHE"),
                    help="JAX persistent compilation cache; 'none' turns it off (default: "
                         "$QWEN_JAX_COMPILATION_CACHE, else ~/.cache/qwen_jax/jax_compilation_cache)")
-    p.add_argument("--disable-access-log", "--disable-uvicorn-access-log", "--disable-log-requests",
-                   action="store_true",
-                   help="no log line per request (method, path, status, latency) (default: one line each)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="the least severe log records written (default: %(default)s)")
-    frontend = p.add_argument_group("vllm serve's frontend flags")
-    frontend.add_argument("--uvicorn-log-level", default=None,
-                          choices=("critical", "error", "warning", "info", "debug", "trace"),
-                          help="the HTTP server's own log level (Hypercorn's here; trace is debug) (default: "
-                               "--log-level's)")
-    frontend.add_argument("--allowed-origins", type=json_list, default=["*"],
-                          help="origins allowed cross-origin requests, a JSON list (default: [\"*\"])")
-    frontend.add_argument("--allowed-methods", type=json_list, default=["*"],
-                          help="methods allowed cross-origin, a JSON list (default: [\"*\"])")
-    frontend.add_argument("--allowed-headers", type=json_list, default=["*"],
-                          help="headers allowed cross-origin, a JSON list (default: [\"*\"])")
-    frontend.add_argument("--allow-credentials", action="store_true",
-                          help="cross-origin requests may carry credentials (default: off)")
-    frontend.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file (default: HTTP)")
-    frontend.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file (default: "
-                                                               "HTTP)")
-    frontend.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients with (default: "
-                                                               "none)")
-    frontend.add_argument("--root-path", default="",
-                          help="the path prefix a proxy serves this server under (ASGI root_path) (default: none)")
-    frontend.add_argument("--response-role", default="assistant",
-                          help="the role of a chat completion's message (default: %(default)s)")
-    frontend.add_argument("--return-tokens-as-token-ids", action="store_true",
-                          help="logprobs name each token 'token_id:<id>' instead of its text (default: off)")
-    frontend.add_argument("--enable-prompt-tokens-details", action="store_true",
-                          help="usage.prompt_tokens_details.cached_tokens (always given here) (default: on)")
-    frontend.add_argument("--revision", default=None,
-                          help="the revision of a hub id's model in the local Hugging Face cache (default: main)")
-    frontend.add_argument("--download-dir", default=None,
-                          help="the Hugging Face cache a hub id is looked up in; nothing is downloaded (default: "
-                               "$HF_HOME's)")
-    frontend.add_argument("--hf-overrides", type=json_dict, default=None,
-                          help="a JSON object put over config.json's entries, e.g. '{\"max_position_embeddings\": "
-                               "32768}' (default: none)")
-    frontend.add_argument("--enforce-eager", action="store_true",
-                          help="run each step's kernels one by one, without CUDA graphs (XLA's command buffers "
-                               "off): slower, for debugging (default: graphs on)")
-    vllm = p.add_argument_group("vllm serve's flags for what this server always does or decides itself")
-    vllm.add_argument("--enable-auto-tool-choice", action="store_true",
-                      help="tool_choice 'auto' (always on here: a chat template that renders tools gets them, and "
-                           "the reply is parsed for calls) (default: on)")
-    vllm.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
-                      help="the format a forced tool call (tool_choice 'required' or a named function) is written "
-                           "in: qwen3_coder / qwen3_xml, Qwen3.5's XML; hermes, Qwen3's JSON; replies are parsed "
-                           "in either (default: the one the chat template teaches)")
-    vllm.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                      help="the think block (<think>...</think>) goes to reasoning_content; these parsers' tags are "
-                           "the ones split (default: on)")
-    vllm.add_argument("--block-size", type=int, default=None,
-                      help=engine("block_size", "tokens per KV cache block"))
-    vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                      help="prompts longer than a step's token budget are prefilled over several steps (always on "
-                           "here; --no-enable-chunked-prefill is refused) (default: on)")
-    vllm.add_argument("--kv-cache-dtype", default="auto",
-                      help="the KV cache's type: auto, the activations' (another type, such as fp8, is refused: "
-                           "nothing that changes outputs vs BF16) (default: %(default)s)")
-    vllm.add_argument("--disable-log-stats", action="store_true",
-                      help="accepted; this server logs no periodic stats (they are at /metrics) (default: off)")
+    g = p.add_argument_group("refused", "vllm serve's flags for what this engine does not do")
     for flag, what in REFUSED_FLAGS.items():
         switch = flag in REFUSED_SWITCHES
-        vllm.add_argument(flag, default=None, action="store_true" if switch else "store",
-                          help=f"refused: {what} (default: {'off' if switch else 'none'})")
+        g.add_argument(flag, default=None, action="store_true" if switch else "store",
+                       help=f"refused: {what} (default: {'off' if switch else 'none'})")
     return p
 
 

@@ -38,6 +38,16 @@ def test_every_flag_has_help_that_states_its_default():
         assert action.help and "default" in action.help % {"default": action.default}, action.option_strings
 
 
+def test_help_groups_the_flags_as_vllm_serve_does():
+    groups = {group.title: {a.option_strings[0] for a in group._group_actions if a.option_strings}
+              for group in build_parser()._action_groups}
+    assert {"Frontend", "ModelConfig", "LoadConfig", "ParallelConfig", "CacheConfig", "SchedulerConfig",
+            "SpeculativeConfig"} <= set(groups)
+    assert "--port" in groups["Frontend"] and "--max-model-len" in groups["ModelConfig"]
+    assert "--tensor-parallel-size" in groups["ParallelConfig"] and "--block-size" in groups["CacheConfig"]
+    assert "--max-num-seqs" in groups["SchedulerConfig"] and "--download-dir" in groups["LoadConfig"]
+
+
 def test_version_flag_prints_the_version():
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"qwen-jax {version()}"
