@@ -178,7 +178,6 @@ class EngineCore:
         if compile_ahead is not None:
             for replica in self.replicas:
                 replica.runner.compiler.begin(compile_ahead)
-        self.grammars.prepare_in_background()  # off the step thread, and after the compile workers start
         t0 = time.perf_counter()
         replica_params = self._load_params(source, args, replica_meshes)
         jax.block_until_ready(replica_params)

@@ -3,7 +3,8 @@ refuse a bad grammar early) and compiled in the core into one matcher per constr
 of the token bitmask and advances with each token read back.
 
 The core's compiler (the tokenizer, xgrammar and the vocabulary as xgrammar reads it: seconds for a 248k vocabulary)
-is prepared in a background thread at start-up, so no request's step waits for it. Nothing here touches a device:
+is prepared in a background thread while a core process warms up, so no request's step waits for it; an engine in
+the caller's own process (LLM) builds it on its first constrained request. Nothing here touches a device:
 the bitmask is host data the sampler applies (engine/sampler.py).
 """
 
