@@ -410,7 +410,7 @@ class Compiler:
         host) compiles only every n-th program from the i-th and loads the others as the other cores store them.
         `run`: check the memory plan, then run each bucket's programs once on padding (run_padding), the bucket of
         the program with the most working memory first (the allocator's first large region then holds every later
-        program's). `every_sampler`: as in `jobs`."""
+        program's). `full`: as in `jobs`."""
         r = self.runner
         sizes = list(r.token_buckets if sizes is None else sizes)
         jobs = self.jobs(sizes, full)
