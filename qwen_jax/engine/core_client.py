@@ -67,9 +67,6 @@ def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outpu
         # largest step's elsewhere
         full = warmup == "full" or (warmup == "auto" and jax.default_backend() != "cpu")
         core = EngineCore(model_path, compile_ahead=(part or (0, 1)) if full else None, **engine_args)
-        # the grammar engine is built beside the warm-up, off the step thread (in this process nothing else imports
-        # transformers meanwhile: a front's thread importing it beside another's fails)
-        core.grammars.prepare_in_background()
         core.warmup(full, part or (0, 1))
     except BaseException:
         send(("failed", traceback.format_exc()))

@@ -2,16 +2,13 @@
 refuse a bad grammar early) and compiled in the core into one matcher per constrained request, which fills its row
 of the token bitmask and advances with each token read back.
 
-The core's compiler (the tokenizer, xgrammar and the vocabulary as xgrammar reads it: seconds for a 248k vocabulary)
-is prepared in a background thread while a core process warms up, so no request's step waits for it; an engine in
-the caller's own process (LLM) builds it on its first constrained request. Nothing here touches a device:
-the bitmask is host data the sampler applies (engine/sampler.py).
+xgrammar (and the torch it imports) and the tokenizer are loaded on the first constrained request only. Nothing here
+touches a device: the bitmask is host data the sampler applies (engine/sampler.py).
 """
 
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -90,23 +87,16 @@ class RequestGrammar:
 
 
 class GrammarCompiler:
-    """The core's grammar engine for one tokenizer and model vocabulary: the vocabulary as xgrammar reads it and a
-    compiler whose cache keeps compiled grammars, so a schema seen before compiles at once. Built once, by
-    `prepare_in_background` (else by the first constrained request): `load_tokenizer()` gives the HF tokenizer, or
-    None when the model has none."""
+    """The core's grammar engine for one tokenizer and model vocabulary: the vocabulary as xgrammar reads it (built
+    on the first constrained request, a few seconds for a 248k vocabulary) and a compiler whose cache keeps compiled
+    grammars, so a schema seen before compiles at once. `load_tokenizer()` gives the HF tokenizer, or None when the
+    model has none."""
 
     def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, stop_token_ids: list[int]):
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._error: Exception | None = None  # why it could not be built (raised to each constrained request)
-        self._lock = threading.Lock()  # held while it is built
-
-    def prepare_in_background(self) -> None:
-        """Build the compiler in a daemon thread now; a constrained request meanwhile waits for it."""
-        threading.Thread(target=self._get_compiler, kwargs=dict(raising=False), name="qwen-jax-grammar",
-                         daemon=True).start()
 
     def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher of the spec's grammar; ValueError naming the problem when it does not compile."""
@@ -128,15 +118,9 @@ class GrammarCompiler:
         except Exception as exc:
             raise ValueError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {_message(exc)}") from None
 
-    def _get_compiler(self, raising: bool = True) -> xgrammar.GrammarCompiler | None:
-        with self._lock:
-            if self._compiler is None and self._error is None:
-                try:
-                    self._compiler = self._build()
-                except Exception as exc:  # no tokenizer, or no xgrammar: each constrained request is told
-                    self._error = exc
-        if self._error is not None and raising:
-            raise self._error
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = self._build()
         return self._compiler
 
     def _build(self) -> xgrammar.GrammarCompiler:

@@ -148,31 +148,3 @@ def test_the_grammar_engine_is_imported_only_for_a_constrained_request():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
-
-def test_a_grammar_engine_prepared_in_the_background_is_built_once_and_waited_for(hybrid_dir, kit):
-    """A core process builds its grammar engine beside its warm-up: a constrained request that comes meanwhile
-    waits for that build (one tokenizer load), and a model without a tokenizer tells each constrained request."""
-    import threading
-
-    from qwen_jax.engine.grammar import GrammarCompiler
-    from qwen_jax.engine.model_files import load_tokenizer
-
-    loads, release = [], threading.Event()
-
-    def slow_load():
-        loads.append(1)
-        release.wait(10)
-        return load_tokenizer(hybrid_dir)
-
-    compiler = GrammarCompiler(slow_load, kit.HYBRID_VOCAB, [kit.EOS])
-    compiler.prepare_in_background()
-    threading.Timer(0.3, release.set).start()
-    matcher = compiler.matcher(StructuredOutputsParams(choice=["ab", "cd"]))
-    assert not matcher.is_terminated and loads == [1]
-    compiler.matcher(StructuredOutputsParams(regex="[0-9]+"))
-    assert loads == [1]
-    none = GrammarCompiler(lambda: None, kit.HYBRID_VOCAB, [kit.EOS])
-    none.prepare_in_background()
-    for _ in range(2):
-        with pytest.raises(ValueError, match="structured outputs need the model's tokenizer"):
-            none.matcher(StructuredOutputsParams(choice=["x"]))
