@@ -262,13 +262,13 @@ def main(argv: Seq[str] | None = None) -> dict:
 
     def build_runner(k: int, token_counts: list[int]) -> ModelRunner:
         """A runner over `params` that drafts k tokens a row (0: none), with the buckets of `token_counts` compiled
-        up front several at once (as the engine's warm-up does)."""
+        up front several at once (as the engine's warm-up does), with the samplers its greedy rows use."""
         sizes = engine_args(dict(max_num_seqs=max(batches, default=1), max_num_batched_tokens=max(token_counts),
                                  block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks,
                                  num_scheduler_steps=args.num_scheduler_steps,
                                  kernels=args.kernels, speculative_config=spec_config(k)))
         runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
-        runner.compiler.compile(sorted({step.bucket_for(n, runner.token_buckets) for n in token_counts}))
+        runner.compiler.compile(sorted({step.bucket_for(n, runner.token_buckets) for n in token_counts}), full=False)
         return runner
 
     runner = build_runner(0, [*batches, *prefills])
