@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
 from typing import TYPE_CHECKING
 
 import jax
@@ -84,7 +84,6 @@ def working_bytes(compiled: jax.stages.Compiled) -> int | None:
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-@functools.cache
 @functools.cache
 def source_digest() -> str:
     """A digest of this engine's source (qwen_jax, sharding, pallas_kernels): stored programs of other code are
@@ -498,8 +497,8 @@ class Compiler:
                     waited = time.perf_counter()
                 if ready or loaded:
                     continue
-                if loading:
-                    time.sleep(0.005)
+                if loading:  # until one of them is loaded (or more programs may be stored)
+                    wait(loading, timeout=0.05, return_when=FIRST_COMPLETED)
                     continue
                 if retry and all(p.poll() is not None for p in processes):
                     processes = self._start_workers(retry, 1, store)
