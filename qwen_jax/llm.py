@@ -231,7 +231,9 @@ class AsyncLLM:
         kind = message[0]
         if kind == "outputs":
             _, outputs, stats = message
-            results, ended = self.output.process(outputs)
+            # a launched core sends its counters before start(), while this front may still be reading the
+            # tokenizer (no OutputProcessor yet); no request can run before start(), so those carry no outputs
+            results, ended = self.output.process(outputs) if outputs else ([], [])
             self._on_loop(self._deliver, core, results, ended, stats)
         elif kind == "ready":
             self._on_loop(self._core_started, core, message[1])

@@ -166,7 +166,12 @@ class CoreProcess:
         while True:
             if self._pull.poll(200):
                 message = pickle.loads(self._pull.recv())
-                self._on_message(message)
+                try:
+                    self._on_message(message)
+                except Exception:  # a front that cannot take the core's messages serves nothing: fail, never hang
+                    log.exception("the front failed on the engine core's %r message", message[0])
+                    self._on_message(("failed", traceback.format_exc()))
+                    return
                 if message[0] == "failed":
                     return
             elif not self.process.is_alive():

@@ -12,6 +12,7 @@ import pytest
 
 from qwen_jax import llm as llm_module
 from qwen_jax.llm import AsyncLLM, EngineDead
+from qwen_jax.sampling_params import SamplingParams
 
 
 def core_processes() -> list:
@@ -19,25 +20,47 @@ def core_processes() -> list:
 
 
 def test_a_launched_core_starts_before_the_front_reads_the_tokenizer(hybrid_dir, kit, monkeypatch):
-    """(The server's tests run launched engines: tests/server/server_harness.py.)"""
+    """The core compiles, says ready and sends its counters while the front still reads the tokenizer (held here
+    until then); the engine then starts and serves. (The server's tests run launched engines:
+    tests/server/server_harness.py.)"""
     cores_at_tokenizer = []
-    load_tokenizer = llm_module.load_tokenizer
+    messages: list[str] = []
+    load_tokenizer, on_message = llm_module.load_tokenizer, AsyncLLM._on_message
 
     def recorded(path):
         cores_at_tokenizer.append([p.is_alive() for p in core_processes()])
+        deadline = time.monotonic() + 300
+        while messages[-1:] != ["outputs"] and time.monotonic() < deadline:  # counters sent after "ready"
+            time.sleep(0.05)
         return load_tokenizer(path)
 
+    def record(self, core, message):
+        messages.append(message[0])
+        on_message(self, core, message)
+
     monkeypatch.setattr(llm_module, "load_tokenizer", recorded)
+    monkeypatch.setattr(AsyncLLM, "_on_message", record)
     assert not core_processes()
     engine = AsyncLLM.from_engine_args(hybrid_dir, launch=True, **kit.ENGINE_ARGS)
+    assert cores_at_tokenizer == [[True]] and messages[:2] == ["ready", "outputs"]
     # it carries its name in `ps -e` / pgrep (the kernel's process name), set as it starts
-    comm = f"/proc/{engine._cores[0].process.pid}/comm"
-    deadline = time.monotonic() + 60
-    while open(comm).read().strip() != "qwen-jax-core" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert open(comm).read().strip() == "qwen-jax-core"
-    asyncio.run(engine.shutdown())
-    assert cores_at_tokenizer == [[True]] and not core_processes()
+    assert open(f"/proc/{engine._cores[0].process.pid}/comm").read().strip() == "qwen-jax-core"
+
+    async def serve() -> list[int]:
+        await engine.start()
+        params = SamplingParams(max_tokens=3, temperature=0)
+        try:
+            outputs = await asyncio.wait_for(_collect(engine.generate([1, 2, 3], params, "r")), 120)
+        finally:
+            await engine.shutdown()
+        return outputs[-1].token_ids
+
+    assert len(asyncio.run(serve())) == 3
+    assert not core_processes()
+
+
+async def _collect(stream) -> list:
+    return [out async for out in stream]
 
 
 def test_a_launched_core_that_fails_before_start_is_awaited_fails_the_start(hybrid_dir, kit, tmp_path):
