@@ -17,9 +17,10 @@ JSON_WHITESPACE_RUN = 16
 @dataclasses.dataclass
 class StructuredOutputsParams:
     """What a request's output must match (vLLM's structured outputs): exactly one of a JSON schema (`json`, a dict
-    or its text), any JSON object (`json_object`), a regular expression, one of the strings in `choice`, an EBNF
-    `grammar` (xgrammar's dialect) or an xgrammar `structural_tag` (tool calls). Its grammar is checked by
-    engine/grammar.py."""
+    or its text), any JSON object (`json_object`), a regular expression, one of the strings in `choice`, a
+    `grammar` (GBNF, or llguidance's Lark) or a `structural_tag` (vLLM's: JSON values in free text, each begun by a
+    trigger). Its grammar is checked by engine/grammar.py. `begins_after`: a token (e.g. `</think>`, closing a think
+    block the prompt opened) up to which anything goes; the grammar applies from the token after it."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -31,6 +32,7 @@ class StructuredOutputsParams:
     # (disable_any_whitespace, vLLM's field) or any (any_whitespace)
     disable_any_whitespace: bool = False
     any_whitespace: bool = False
+    begins_after: str | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -43,7 +45,7 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict | str):
                 raise ValueError(f"structured_outputs.{name} must be an object or its JSON text")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "begins_after"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
@@ -69,13 +71,13 @@ class StructuredOutputsParams:
 
     @property
     def source(self) -> str:
-        """The grammar's text for the compiler: a JSON schema (json, json_object), a regex, EBNF (grammar, choice)
-        or a structural tag's JSON."""
+        """The grammar's text for the compiler: a JSON schema (json, json_object), a regex, a grammar (GBNF or Lark;
+        choice: Lark) or a structural tag's JSON."""
         kind = self.kind
         if kind == "json_object":
             return '{"type": "object"}'
-        if kind == "choice":  # each choice a quoted EBNF literal (JSON's escapes are EBNF's)
-            return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        if kind == "choice":  # each choice a quoted Lark literal (JSON's escapes are Lark's)
+            return "start: " + " | ".join(json.dumps(c) for c in self.choice)
         value = getattr(self, kind)
         return value if isinstance(value, str) else json.dumps(value)
 

@@ -1,6 +1,7 @@
-"""Structured outputs' host cost with two grammar engines, xgrammar (the one the engine uses) and llguidance (the
-light-install candidate): preparing a 248k vocabulary, compiling a JSON schema, and filling one row of the token
-bitmask per generated token (the core does this between steps for every constrained row). Prints one JSON line.
+"""Structured outputs' host cost with two grammar engines, xgrammar (the engine's until it moved for a light
+install) and llguidance (the engine's now): preparing a 248k vocabulary, compiling a JSON schema, and filling one row
+of the token bitmask per generated token (the core does this between steps for every constrained row). Prints one
+JSON line.
 
     python scripts/grammar_mask_bench.py <tokenizer dir>     (needs xgrammar and llguidance importable)
 """

@@ -353,9 +353,10 @@ class StructuredOutputs(_Model):
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (or its text)")
     regex: Text | None = None
     choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_LIST)] | None = None
-    grammar: Text | None = Field(None, description="an EBNF grammar (xgrammar's dialect)")
+    grammar: Text | None = Field(None, description="a grammar: GBNF, or llguidance's Lark")
     json_object: bool = False
-    structural_tag: dict[str, Any] | str | None = Field(None, description="an xgrammar structural tag")
+    structural_tag: dict[str, Any] | str | None = Field(
+        None, description='vLLM\'s structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}')
     disable_any_whitespace: bool = Field(False, description="JSON: no whitespace between tokens")
     any_whitespace: bool = Field(False, description="JSON: whitespace runs of any length between tokens (by default "
                                                     "at most 16 characters, or the server's --json-whitespace)")

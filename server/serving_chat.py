@@ -7,15 +7,15 @@ Builds prompts and choice fields only; the engine requests and the stream are se
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 from typing import Any
 
 from qwen_jax import RequestOutput, StructuredOutputsParams, TokenLogprob
 from server.protocol import APIError, ChatCompletionRequest, _ChatPrompt
-from server.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
+from server.reasoning import THINK_CLOSE, ReasoningSplitter
 from server.serving import ChoiceWriter, Prompt, Serving, TokenTexts
-from server.tools import ToolCall, ToolParser, call_format, forcing_tag
+from server.tools import ToolCall, ToolParser, call_format, forcing_grammar
 
 
 def render_chat(tokenizer: Any, req: _ChatPrompt, template: str | None = None) -> str:
@@ -138,13 +138,12 @@ class ChatServing(Serving):
 
     def constraint(self, req: ChatCompletionRequest) -> tuple[StructuredOutputsParams, str] | None:
         """response_format / structured_outputs, or for tool_choice "required" or a named function the grammar of
-        a call in the format the chat template teaches (xgrammar's structural tag). With thinking on, the
-        constraint starts once the think block is closed."""
+        a reply that is only calls, in the format the chat template teaches. With thinking on, the constraint starts
+        once the think block the prompt opened is closed."""
+        thinking = {"begins_after": THINK_CLOSE} if req.enable_thinking else {}
         if not forces_tool(req):
             found = super().constraint(req)
-            if found is None or not req.enable_thinking or found[0].kind == "structural_tag":
-                return found
-            return after_thinking(found[0]), found[1]
+            return found if found is None else (dataclasses.replace(found[0], **thinking), found[1])
         if req.constraint() is not None:
             raise APIError("a forced tool call ('tool_choice' 'required' or a named function) cannot be combined "
                            "with 'response_format' or 'structured_outputs'", param="tool_choice")
@@ -156,32 +155,12 @@ class ChatServing(Serving):
                            "'tool_choice' 'auto' or 'none'", param="tool_choice")
         choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
         try:
-            tag = forcing_tag(fmt, [t.model_dump(exclude_none=True) for t in req.tools], choice,
-                              req.enable_thinking, req.parallel_tool_calls is not False)
-        except Exception as exc:  # xgrammar's and pydantic's errors about the tools' schemas
+            grammar = forcing_grammar(fmt, [t.model_dump(exclude_none=True) for t in req.tools], choice,
+                                      req.parallel_tool_calls is not False, self.state.tokenizer.get_added_vocab())
+        except (ValueError, TypeError, AttributeError) as exc:  # tools whose schemas make no grammar
             raise APIError(f"the tools cannot be made into a grammar: {str(exc).strip().splitlines()[0][:300]}",
                            param="tools") from None
-        return StructuredOutputsParams(structural_tag=tag), "tools"
-
-
-def after_thinking(spec: StructuredOutputsParams) -> StructuredOutputsParams:
-    """The spec's grammar after a think block the prompt has opened: free reasoning up to `</think>`, then the
-    blank line the template puts there, then the constrained reply (an xgrammar structural tag)."""
-    kind = spec.kind
-    if kind in ("json", "json_object"):
-        schema = json.loads(spec.source)
-        # the spec's whitespace run (a structural tag has no switch to none: no run longer than ", " has)
-        run = spec.json_whitespace_run
-        reply = {"type": "json_schema", "json_schema": schema,
-                 **({} if run is None else {"max_whitespace_cnt": max(run, 1)})}
-    elif kind == "regex":
-        reply = {"type": "regex", "pattern": spec.regex}
-    else:  # grammar, choice: EBNF
-        reply = {"type": "grammar", "grammar": spec.source}
-    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
-                "end": THINK_CLOSE}
-    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
-        "type": "sequence", "elements": [thinking, {"type": "const_string", "value": "\n\n"}, reply]}})
+        return StructuredOutputsParams(grammar=grammar, **thinking), "tools"
 
 
 def forces_tool(req: ChatCompletionRequest) -> bool:

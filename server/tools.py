@@ -14,16 +14,16 @@ import itertools
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-QWEN_XML = "qwen_3_5"  # xgrammar's names of the two formats' structural tags
-HERMES_JSON = "qwen_3"
-# Whitespace runs between a forced call's elements (xgrammar's max_whitespace_cnt): the formats put one newline
-# there, and an unbounded run lets a weak model pad forever.
-MAX_WHITESPACE = 2
+QWEN_XML = "qwen_3_5"  # Qwen3.5's XML format
+HERMES_JSON = "qwen_3"  # Qwen3's (Hermes) JSON format
+# Whitespace inside a forced call's JSON values (llguidance's JSON option): runs of at most 2 characters. The
+# templates write json.dumps' single spaces, and an unbounded run lets a weak model pad forever.
+JSON_WHITESPACE = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,2}"}
 
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
@@ -36,16 +36,63 @@ def call_format(chat_template: str | None) -> str | None:
     return QWEN_XML if "<function=" in chat_template else HERMES_JSON
 
 
-def forcing_tag(fmt: str, tools: list[dict], tool_choice: str | dict, thinking: bool,
-                parallel_tool_calls: bool) -> str:
-    """The xgrammar structural tag (JSON) that makes the model call a tool: any of them ("required") or the named
-    one. With thinking on, the prompt has opened a think block, which the grammar lets the model close first."""
-    from xgrammar import get_model_structural_tag
+def forcing_grammar(fmt: str, tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool,
+                    added_tokens: Collection[str]) -> str:
+    """The grammar (llguidance's Lark) of a reply that is only tool calls, written as the chat template writes them:
+    calls of any of the tools ("required") or of the named one, one or (`parallel_tool_calls`) several, each
+    argument of its schema's type. `added_tokens`: the tokenizer's added tokens, which the grammar names as tokens
+    (`<tool_call>` is one in Qwen's vocabularies; llguidance never spells a token's text out in other tokens)."""
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
 
-    tag = get_model_structural_tag(fmt, tools=tools, tool_choice=tool_choice,
-                                   reasoning="enabled" if thinking else "disabled", max_whitespace_cnt=MAX_WHITESPACE,
-                                   parallel_tool_calls=parallel_tool_calls)
-    return tag.model_dump_json()
+    def tag(text: str) -> str:
+        return text if text in added_tokens else _lit(text)
+
+    calls = r'call ("\n" call)*' if parallel_tool_calls else "call"
+    functions = " | ".join(f"fn_{i}" for i in range(len(tools)))
+    rules = [rf"start: /\n{{0,2}}/ {calls}",  # the blank line a template puts after a closed think block
+             rf'call: {tag(CALL_OPEN)} "\n" ({functions}) "\n" {tag(CALL_CLOSE)}',
+             r"string_value[lazy]: /(.|\n)*\n<\/parameter>\n/"]  # up to the first closing tag
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        schema = function.get("parameters") or {"type": "object", "properties": {}}
+        if fmt == HERMES_JSON:
+            head = '{"name": ' + json.dumps(function["name"]) + ', "arguments": '
+            rules.append(f'fn_{i}: {_lit(head)} %json {_json_schema(schema)} "}}"')
+            continue
+        required = set(schema.get("required") or ())
+        params = []
+        for j, (key, value_schema) in enumerate((schema.get("properties") or {}).items()):
+            rules.append(f"p_{i}_{j}: {_lit(f'<parameter={key}>' + chr(10))} {_xml_value(value_schema)}")
+            params.append(f"p_{i}_{j}" + ("" if key in required else "?"))
+        head = f"<function={function['name']}>\n"
+        rules.append(f'fn_{i}: {_lit(head)} {" ".join(params)} "</function>"')
+    return "\n".join(rules) + "\n"
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text)
+
+
+def _xml_value(schema: dict) -> str:
+    """An XML parameter's value and its closing tag: bare text for a string (one of an enum's, when it has one),
+    JSON otherwise, as the template writes them (`_typed` reads them back)."""
+    close = r'"\n</parameter>\n"'
+    enum = schema.get("enum")
+    if schema.get("type") in (None, "string") and enum and all(isinstance(e, str) for e in enum):
+        return "(" + " | ".join(_lit(e) for e in enum) + ") " + close
+    if schema.get("type") in (None, "string") and "enum" not in schema and "const" not in schema:
+        return "string_value"
+    return f"%json {_json_schema(schema)} {close}"
+
+
+def _json_schema(schema: dict) -> str:
+    """A JSON schema inline in Lark, its whitespace bounded (JSON_WHITESPACE)."""
+    return json.dumps({**schema, "x-guidance": JSON_WHITESPACE})
 
 
 @dataclasses.dataclass

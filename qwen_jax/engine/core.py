@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from qwen_jax.engine import grammar, multihost
-from qwen_jax.engine.model_files import eos_ids, load_tokenizer, read_model_config, resolve_max_model_len
+from qwen_jax.engine.model_files import eos_ids, read_model_config, resolve_max_model_len, tokenizer_json
 from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
@@ -164,7 +164,7 @@ class EngineCore:
         ops_for_mesh(cfg, replica_meshes[0], kernels)
         tokenizer_path = args["tokenizer"] or model_path
         self.eos_token_ids = eos_ids(model_path, cfg, tokenizer_path)
-        self.grammars = grammar.GrammarCompiler(lambda: load_tokenizer(tokenizer_path), cfg.vocab_size,
+        self.grammars = grammar.GrammarCompiler(lambda: tokenizer_json(tokenizer_path), cfg.vocab_size,
                                                 self.eos_token_ids)
         self.max_model_len = resolve_max_model_len(cfg, args["max_model_len"])
         # The replicas are built on the weights' shapes (only replicas with devices on this host get them), so that
@@ -284,7 +284,10 @@ class EngineCore:
     def warmup(self, full: bool = False, part: tuple[int, int] = (0, 1)) -> None:
         """Compile the step programs and run each once before serving (Replica.warmup): full, every program serving
         can run, so no step ever waits on a compile. Replicas compile concurrently. `part`: this core's share of a
-        compile shared with the other cores of one host (core_client)."""
+        compile shared with the other cores of one host (core_client). A full warm-up also builds the grammar
+        engine's vocabulary (seconds the first constrained request would otherwise stall every row for)."""
+        if full:
+            self.grammars.prepare()
         if len(self.replicas) == 1:
             self.replicas[0].warmup(full, part)
             return

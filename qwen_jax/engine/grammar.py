@@ -1,14 +1,15 @@
-"""Structured outputs through xgrammar: a request's StructuredOutputsParams parsed (`check`, for a front that wants to
-refuse a bad grammar early) and compiled in the core into one matcher per constrained request, which fills its row
-of the token bitmask and advances with each token read back.
+"""Structured outputs through llguidance: a request's StructuredOutputsParams made into an llguidance grammar,
+checked (`check`, for a front that wants to refuse a bad grammar early) and compiled in the core into one matcher
+per constrained request, which fills its row of the token bitmask and advances with each token read back.
 
-xgrammar (and the torch it imports) and the tokenizer are loaded on the first constrained request only. Nothing here
-touches a device: the bitmask is host data the sampler applies (engine/sampler.py).
+The vocabulary llguidance reads comes from the tokenizer's own tokenizer.json (no transformers, no torch); it is
+built on the first constrained request, or at start-up with `prepare` (a full warm-up does). Nothing here touches a
+device: the bitmask is host data the sampler applies (engine/sampler.py).
 """
 
 from __future__ import annotations
 
-import re
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,14 +18,10 @@ import numpy as np
 from qwen_jax.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    import xgrammar
+    import llguidance
 
-# Compiled grammars kept by the core's compiler (vLLM keeps 512 MiB by default).
-CACHE_LIMIT_BYTES = 256 << 20
-# Compiler threads: a compile runs in the core between steps.
-COMPILE_THREADS = 4
-# xgrammar's messages start with a log prefix ("[12:00:00] /project/cpp/x.cc:12: Check failed: ... is false: ").
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+_WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
+         "choice": "list of choices", "grammar": "grammar (GBNF or Lark)", "structural_tag": "structural tag"}
 
 
 def mask_words(vocab_size: int) -> int:
@@ -32,127 +29,146 @@ def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def check(spec: StructuredOutputsParams) -> None:
-    """Raise ValueError naming the problem when the spec's grammar does not parse (schema, regex, EBNF or
-    structural tag); needs no tokenizer, so a front can refuse a bad grammar before the core compiles it."""
-    xgr = _xgrammar()
+def definition(spec: StructuredOutputsParams) -> str:
+    """The spec's llguidance grammar (not yet checked: `check`). ValueError when it cannot even be converted."""
+    import llguidance
+
     kind, source = spec.kind, spec.source
+    matcher = llguidance.LLMatcher
     try:
         if kind in ("json", "json_object"):
-            xgr.Grammar.from_json_schema(source, **_whitespace(spec))
-        elif kind == "regex":
-            xgr.Grammar.from_regex(source)
-        elif kind == "structural_tag":
-            xgr.Grammar.from_structural_tag(source)
-        else:
-            xgr.Grammar.from_ebnf(source)
-    except Exception as exc:  # xgrammar raises RuntimeError, its own errors and pydantic's
+            return matcher.grammar_from_json_schema(source, defaults=json_options(spec.json_whitespace_run))
+        if kind == "regex":
+            return matcher.grammar_from_regex(source)
+        if kind == "structural_tag":
+            return _structural_tag(json.loads(source))
+        return llguidance.grammar_from("grammar", source)  # choice: a Lark grammar of its literals
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:
         raise ValueError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {_message(exc)}") from None
 
 
-_WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
-         "choice": "list of choices", "grammar": "EBNF grammar", "structural_tag": "structural tag"}
+def json_options(whitespace_run: int | None) -> dict:
+    """llguidance's JSON options for a longest whitespace run between tokens: 0 (none), n, or None (any)."""
+    if whitespace_run is None:
+        return {"whitespace_flexible": True}
+    if whitespace_run == 0:
+        return {"whitespace_flexible": False}
+    return {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{whitespace_run}}}"}
 
 
-def _message(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return _LOG_PREFIX.sub("", text)[:300]
+def _structural_tag(tag: dict) -> str:
+    """vLLM's structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text in which each
+    `begin` starts a JSON value of its schema, closed by its `end`), as llguidance grammar."""
+    import llguidance
+
+    if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or not tag["structures"]:
+        raise ValueError('expected {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}')
+    triggers = tag.get("triggers") or []
+    tags = []
+    for structure in tag["structures"]:
+        begin = structure["begin"]
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"no trigger starts the structure begin {begin!r}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=structure.get("schema") or {},
+                                         end=structure.get("end", "")))
+    return llguidance.StructTag.to_grammar(tags)
 
 
-def _xgrammar():
-    import xgrammar
+def check(spec: StructuredOutputsParams) -> None:
+    """Raise ValueError naming the problem when the spec's grammar does not parse; needs no vocabulary, so a front
+    can refuse a bad grammar before the core compiles it."""
+    import llguidance
 
-    return xgrammar
+    error = llguidance.LLMatcher.validate_grammar(definition(spec))
+    if error:
+        raise ValueError(f"structured_outputs.{spec.kind} is not a valid {_WHAT[spec.kind]}: {_message(error)}")
+
+
+def _message(error: Exception | str) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:300]
 
 
 class RequestGrammar:
     """One constrained request's matcher: the tokens it accepted so far are exactly the request's output tokens
-    read back (the core never hands it a token it has not read, so it never has to roll back)."""
+    read back (the core never hands it a token it has not read, so it never has to roll back). With `begins_after`
+    (a token id), every token is allowed up to and including that token, and the grammar applies from the next."""
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: list[int], begins_after: int | None = None):
         self._matcher = matcher
+        self._stop_token_ids = stop_token_ids
+        self._waiting_for = begins_after
+        self._stopped = False  # a stop token ended the grammar
 
     def fill_mask(self, masks: np.ndarray, row: int) -> None:
         """Row `row` of `masks` [n, mask_words] int32 <- the tokens allowed next."""
-        self._matcher.fill_next_token_bitmask(masks, row)
+        if self._waiting_for is not None:
+            masks[row] = -1
+            return
+        import llguidance.numpy
+
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, masks, row)
 
     def accept(self, token: int) -> None:
-        if not self._matcher.accept_token(token):
-            raise ValueError(f"token {token} does not fit the request's structured output grammar")
+        if self._waiting_for is not None:
+            if token == self._waiting_for:
+                self._waiting_for = None
+            return
+        if not self._matcher.consume_token(token):
+            raise ValueError(f"token {token} does not fit the request's structured output grammar: "
+                             f"{_message(self._matcher.get_error())}")
+        self._stopped = token in self._stop_token_ids
 
     @property
     def is_terminated(self) -> bool:
-        """The grammar is complete and its stop token was accepted: nothing more may follow."""
-        return self._matcher.is_terminated()
+        """The grammar is complete and its stop token was accepted: nothing more may follow. (A grammar that can
+        take no more text allows only the stop tokens next.)"""
+        return self._stopped
 
 
 class GrammarCompiler:
-    """The core's grammar engine for one tokenizer and model vocabulary: the vocabulary as xgrammar reads it (built
-    on the first constrained request, a few seconds for a 248k vocabulary) and a compiler whose cache keeps compiled
-    grammars, so a schema seen before compiles at once. `load_tokenizer()` gives the HF tokenizer, or None when the
-    model has none."""
+    """The core's grammar engine for one tokenizer and model vocabulary: the vocabulary as llguidance reads it
+    (`tokenizer_json()` gives the tokenizer's tokenizer.json text, or None when the model has none; about 2 s for a
+    248k vocabulary, holding the GIL), and a matcher per request (a grammar compiles in about a millisecond)."""
 
-    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, stop_token_ids: list[int]):
-        self._load_tokenizer = load_tokenizer
+    def __init__(self, tokenizer_json: Callable[[], str | None], vocab_size: int, stop_token_ids: list[int]):
+        self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def prepare(self) -> None:
+        """Build the vocabulary now (a server's start-up), not on the first constrained request; a model without a
+        tokenizer is left as it is (its constrained requests are refused)."""
+        if self._tokenizer is None and self._tokenizer_json() is not None:
+            self._get_tokenizer()
 
     def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher of the spec's grammar; ValueError naming the problem when it does not compile."""
-        xgr = _xgrammar()
-        compiled = self._compile(spec)
-        return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids))
+        import llguidance
 
-    def _compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        compiler = self._get_compiler()
-        kind, source = spec.kind, spec.source
-        try:
-            if kind in ("json", "json_object"):
-                return compiler.compile_json_schema(source, **_whitespace(spec))
-            if kind == "regex":
-                return compiler.compile_regex(source)
-            if kind == "structural_tag":
-                return compiler.compile_structural_tag(source)
-            return compiler.compile_grammar(source)
-        except Exception as exc:
-            raise ValueError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {_message(exc)}") from None
+        tokenizer = self._get_tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, definition(spec), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind} is not a valid {_WHAT[spec.kind]}: "
+                             f"{_message(matcher.get_error())}")
+        begins_after = None
+        if spec.begins_after is not None:
+            ids = tokenizer.tokenize_str(spec.begins_after, parse_special=True)
+            if len(ids) != 1:
+                raise ValueError(f"structured_outputs.begins_after must be one token of the vocabulary, and "
+                                 f"{spec.begins_after!r} is {len(ids)}")
+            begins_after = ids[0]
+        return RequestGrammar(matcher, self.stop_token_ids, begins_after)
 
-    def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        if self._compiler is None:
-            self._compiler = self._build()
-        return self._compiler
+    def _get_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            text = self._tokenizer_json()
+            if text is None:
+                raise ValueError("structured outputs need the model's tokenizer (its tokenizer.json), and this "
+                                 "model has none")
+            import llguidance
 
-    def _build(self) -> xgrammar.GrammarCompiler:
-        tokenizer = self._load_tokenizer()
-        if tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
-        xgr = _xgrammar()
-        # xgrammar detects how the entries encode bytes; the vocabulary it then reads is ours
-        detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
-        info = xgr.TokenizerInfo.from_vocab_and_metadata(_encoded_vocab(tokenizer, self.vocab_size),
-                                                         detected.dump_metadata())
-        return xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_limit_bytes=CACHE_LIMIT_BYTES)
-
-
-def _whitespace(spec: StructuredOutputsParams) -> dict:
-    """xgrammar's JSON whitespace options for the spec's json_whitespace_run."""
-    run = spec.json_whitespace_run
-    if run == 0:
-        return dict(any_whitespace=False)
-    return dict(any_whitespace=True) if run is None else dict(any_whitespace=True, max_whitespace_cnt=run)
-
-
-def _encoded_vocab(tokenizer, vocab_size: int) -> list[str]:
-    """Each token id's vocabulary entry, with the special added tokens (<|im_start|>, ...) left empty: xgrammar then
-    treats them as special and never allows them inside a grammar's text (they would vanish from the detokenized
-    output and break what the grammar checked). Ids past the tokenizer's vocabulary are empty too."""
-    encoded = [""] * vocab_size
-    for token, token_id in tokenizer.get_vocab().items():
-        if token_id < vocab_size:
-            encoded[token_id] = token
-    for token_id, added in tokenizer.added_tokens_decoder.items():
-        if added.special and token_id < vocab_size:
-            encoded[token_id] = ""
-    return encoded
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.stop_token_ids)
+        return self._tokenizer

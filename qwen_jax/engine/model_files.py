@@ -92,6 +92,18 @@ def load_tokenizer(model_path: str):
     return None
 
 
+def tokenizer_json(tokenizer_path: str) -> str | None:
+    """The tokenizer's vocabulary as HF tokenizers' JSON (structured outputs read it): its tokenizer.json, else its
+    fast tokenizer serialized (transformers converts a SentencePiece one); None when it has neither."""
+    path = os.path.join(tokenizer_path, "tokenizer.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read()
+    tokenizer = load_tokenizer(tokenizer_path)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else backend.to_str()
+
+
 def tokenizer_eos_id(tokenizer_path: str) -> int | None:
     """The tokenizer's end-of-sequence id as its JSON files give it (tokenizer_config.json's eos_token, found among
     its added tokens or tokenizer.json's), without loading the tokenizer (transformers and the torch it imports take

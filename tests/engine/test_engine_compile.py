@@ -5,8 +5,10 @@ Counts the entries of the jitted functions' compile caches.
 """
 
 import math
+import re
 
 import jax
+import llguidance
 import numpy as np
 import pytest
 from jax._src.dispatch import BACKEND_COMPILE_EVENT
@@ -16,6 +18,7 @@ from qwen_jax.config import load_config
 from qwen_jax.engine import step
 from qwen_jax.engine.replica import VERIFY_STATES_SHARE
 from qwen_jax.models.decoder import cache_shapes
+from qwen_jax.sampling_params import StructuredOutputsParams
 
 
 def workload(kit, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -87,11 +90,16 @@ def varied_workload(kit, seed: int) -> tuple[list[list[int]], list[SamplingParam
 
 
 @pytest.mark.parametrize("speculative_config", [None, "off"])
-def test_after_a_full_warm_up_a_varied_workload_compiles_nothing(hybrid_mtp_dir, kit, speculative_config):
+def test_after_a_full_warm_up_a_varied_workload_compiles_nothing(hybrid_mtp_dir, kit, speculative_config,
+                                                                 monkeypatch):
     """Ready means full speed: once warmup(full=True) has run, serving never compiles, whatever the batch (sizes 1
     to max_num_seqs, prefill chunks beside decode rows, several decode steps a program, verify steps) and whatever
     its sampling. The runner is told it is on an accelerator, where only the common samplers go into the several-step
-    and verify programs (others run single plain steps)."""
+    and verify programs (others run single plain steps). The warm-up also built the grammar engine's vocabulary, so
+    the first constrained request does not build it."""
+    vocabularies = []
+    build = llguidance.LLTokenizer
+    monkeypatch.setattr(llguidance, "LLTokenizer", lambda *a, **k: vocabularies.append(1) or build(*a, **k))
     counter = CompileCounter()
     prompts_seen = [speculative_config]
     llm = LLM(hybrid_mtp_dir, speculative_config=speculative_config, num_scheduler_steps=4, **kit.ENGINE_ARGS)
@@ -115,6 +123,10 @@ def test_after_a_full_warm_up_a_varied_workload_compiles_nothing(hybrid_mtp_dir,
     assert counter.count == 0
     if speculative_config is None:
         assert llm.engine.stats()["spec_verified_rows_total"] > 0  # verify steps ran, compiled ahead
+    assert vocabularies == [1]
+    constrained = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{1,6}"))
+    assert re.fullmatch("[ab]{1,6}", llm.generate([[17, 301, 45]], constrained)[0].text)
+    assert vocabularies == [1]
     kit.assert_idle(llm)
 
 

@@ -18,7 +18,6 @@ from qwen_jax import SamplingParams
 from qwen_jax.sampling_params import StructuredOutputsParams
 
 PROMPT = [17, 301, 45, 99]
-# xgrammar 0.2.8 lets raw control characters into strings bounded by maxLength: a pattern bounds this one
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "k", "b", "e"],
           "properties": {"n": {"type": "string", "pattern": "^[a-z]{1,4}$"},
                          "k": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -118,7 +117,8 @@ def test_aborted_and_preempted_constrained_requests(engines, kit, monkeypatch):
     (dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "not a valid JSON schema"),
     (dict(json="{not json"), "not a valid JSON schema"),
     (dict(regex="(ab"), "not a valid regular expression"),
-    (dict(grammar="root ::= missing"), "not a valid EBNF grammar"),
+    (dict(grammar="root ::= missing"), "not a valid grammar"),
+    (dict(structural_tag={"type": "structural_tag", "format": {"type": "any_text"}}), "not a valid structural tag"),
 ])
 def test_invalid_grammars_are_refused_naming_the_problem(engines, kit, spec, message):
     llm = engines("hybrid")
@@ -139,12 +139,45 @@ def test_malformed_structured_outputs_params_are_refused(spec, message):
         StructuredOutputsParams(**spec)
 
 
-def test_the_grammar_engine_is_imported_only_for_a_constrained_request():
-    """xgrammar brings torch: a process that serves no constrained request never imports either."""
-    code = ("import sys; import qwen_jax, qwen_jax.llm, qwen_jax.engine.core, qwen_jax.engine.grammar, server.app; "
-            "print(sorted(m for m in ('xgrammar', 'torch') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "JAX_PLATFORMS": "cpu"})
+def test_a_structural_tag_constrains_only_what_its_triggers_begin(shared_data):
+    """vLLM's structural tag: free text, in which each structure's `begin` starts a JSON value of its schema that
+    its `end` closes."""
+    from transformers import AutoTokenizer
+
+    from qwen_jax.engine.grammar import GrammarCompiler
+
+    path = shared_data / "qwen3_5_tokenizer"
+    hf = AutoTokenizer.from_pretrained(path)
+    eos = hf.convert_tokens_to_ids("<|im_end|>")
+    compiler = GrammarCompiler(lambda: (path / "tokenizer.json").read_text(), len(hf), [eos])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    tag = {"type": "structural_tag", "triggers": ["<f="],
+           "structures": [{"begin": "<f=add>", "schema": schema, "end": "</f>"}]}
+
+    def fits(text: str) -> bool:
+        matcher = compiler.matcher(StructuredOutputsParams(structural_tag=tag))
+        try:
+            for token in hf.encode(text, add_special_tokens=False) + [eos]:
+                matcher.accept(token)
+        except ValueError:
+            return False
+        return matcher.is_terminated
+
+    assert fits('Sure. <f=add>{"a": 3}</f> and done.') and fits("no call at all")
+    assert not fits('<f=add>{"a": "three"}</f>') and not fits("<f=add>{}</f>")
+
+
+def test_structured_outputs_never_import_torch(shared_data):
+    """The grammar engine is llguidance, with HF tokenizers inside: a serving process checks grammars and builds
+    the vocabulary without transformers' torch (the light install has none)."""
+    code = ("import sys; import qwen_jax, qwen_jax.llm, qwen_jax.engine.core, server.app; "
+            "from qwen_jax.engine import grammar; from qwen_jax.sampling_params import StructuredOutputsParams as S; "
+            "grammar.check(S(json={'type': 'object'})); "
+            "g = grammar.GrammarCompiler(lambda: open(sys.argv[1]).read(), 248320, [248046]); g.prepare(); "
+            "g.matcher(S(regex='a+')); print(sorted(m for m in ('xgrammar', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(shared_data / "qwen3_5_tokenizer" / "tokenizer.json")],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
-

@@ -282,7 +282,7 @@ def test_logit_bias_adds_to_the_logits_of_its_row_only_and_logprobs_stay_raw():
 
 
 def bitmask(allowed_sets, vocab=V):
-    """xgrammar's layout: bit v % 32 of int32 word v // 32 is set when token v is allowed."""
+    """llguidance's layout: bit v % 32 of int32 word v // 32 is set when token v is allowed."""
     masks = np.zeros((len(allowed_sets), -(-vocab // 32)), np.uint32)
     for row, allowed in enumerate(allowed_sets):
         for v in allowed:

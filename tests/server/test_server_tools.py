@@ -228,16 +228,17 @@ def test_the_tool_call_parser_flag_chooses_the_format_of_a_forced_call(tools_ser
     """--tool-call-parser hermes on a template that teaches Qwen3.5's XML: a forced call is written as Hermes JSON."""
     from server.protocol import ChatCompletionRequest, validate
     from server.serving_chat import ChatServing
-    from server.tools import HERMES_JSON, QWEN_XML, forcing_tag
+    from server.tools import HERMES_JSON, QWEN_XML, forcing_grammar
 
     state = tools_server.app.extensions["qwen_jax"]
     req = validate(ChatCompletionRequest, {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    added = state.tokenizer.get_added_vocab()
     serving = ChatServing(state)
-    assert serving.constraint(req)[0].structural_tag == forcing_tag(QWEN_XML, tools, "required", False, True)
+    assert serving.constraint(req)[0].grammar == forcing_grammar(QWEN_XML, tools, "required", True, added)
     state.config.tool_call_format = HERMES_JSON
     try:
-        forced = serving.constraint(req)[0].structural_tag
+        forced = serving.constraint(req)[0].grammar
     finally:
         state.config.tool_call_format = None
-    assert forced == forcing_tag(HERMES_JSON, tools, "required", False, True)
+    assert forced == forcing_grammar(HERMES_JSON, tools, "required", True, added)

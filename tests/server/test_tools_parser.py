@@ -127,3 +127,66 @@ def test_the_chat_templates_tool_call_format_is_recognised(default_model_dir, sh
     assert call_format("{{ '<tool_call>\\n' + tool_call | tojson + '\\n</tool_call>' }}") == HERMES_JSON
     with open(f"{default_model_dir}/chat_template.jinja") as f:
         assert call_format(f.read()) is None  # the default model's template renders no tools
+
+
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "days"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 7},
+                   "note": {"type": "string"}, "opts": {"type": "object", "properties": {"metric": {"type": "boolean"}},
+                                                       "required": ["metric"], "additionalProperties": False}}}}},
+                {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("fmt", [QWEN_XML, HERMES_JSON])
+def test_a_forced_calls_grammar_lets_through_only_calls_the_parser_reads_with_their_schemas_types(fmt, shared_data):
+    """Random walks through the masks of the forcing grammar on Qwen3.5's vocabulary (`<tool_call>` is one of its
+    added tokens): every reply that ends is only calls, which the parser reads back with arguments of the declared
+    types and the enum's values."""
+    import llguidance
+    import llguidance.numpy
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from server.tools import forcing_grammar
+
+    path = shared_data / "qwen3_5_tokenizer"
+    hf = AutoTokenizer.from_pretrained(path)
+    eos = [hf.convert_tokens_to_ids("<|im_end|>")]
+    vocab = llguidance.LLTokenizer((path / "tokenizer.json").read_text(), n_vocab=len(hf), eos_token=eos)
+    grammar = forcing_grammar(fmt, FORCED_TOOLS, "required", True, hf.get_added_vocab())
+    mask = llguidance.numpy.allocate_token_bitmask(1, len(hf))
+    lengths = np.array([len(t) for t in hf.convert_ids_to_tokens(list(range(len(hf))))])
+    rng = np.random.default_rng(0)
+    ended = 0
+    for _ in range(6):
+        matcher = llguidance.LLMatcher(vocab, grammar, log_level=0)
+        tokens: list[int] = []
+        while len(tokens) < 200 and not (tokens and tokens[-1] in eos):
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+            allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:len(hf)])
+            # short replies: the stop token whenever it is allowed, else one of the 16 shortest allowed tokens
+            token = eos[0] if eos[0] in allowed else int(rng.choice(
+                allowed[np.argsort(lengths[allowed], kind="stable")[:16]]))
+            assert matcher.consume_token(token), matcher.get_error()
+            tokens.append(token)
+        if tokens[-1] not in eos:
+            continue
+        ended += 1
+        content, calls = ToolParser(FORCED_TOOLS).parse(hf.decode(tokens[:-1]))
+        assert content == "" and calls
+        for name, arguments in calls_of(calls):
+            if name == "noop":
+                continue
+            assert name == "get_weather" and arguments["city"] in ("Paris", "Lima")
+            assert isinstance(arguments["days"], int) and 1 <= arguments["days"] <= 7
+            assert isinstance(arguments.get("note", ""), str)
+            assert isinstance(arguments.get("opts", {"metric": True})["metric"], bool)
+    assert ended >= 3
+
+
+def test_a_named_tool_choice_that_names_no_tool_is_refused():
+    from server.tools import forcing_grammar
+
+    with pytest.raises(ValueError, match="'nope', which is not among the tools"):
+        forcing_grammar(QWEN_XML, FORCED_TOOLS, {"type": "function", "function": {"name": "nope"}}, False, ())
