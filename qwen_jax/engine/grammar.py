@@ -10,6 +10,7 @@ device: the bitmask is host data the sampler applies (engine/sampler.py).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ from qwen_jax.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import llguidance
+
+log = logging.getLogger("qwen_jax")
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
          "choice": "list of choices", "grammar": "grammar (GBNF or Lark)", "structural_tag": "structural tag"}
@@ -139,10 +142,12 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
 
     def prepare(self) -> None:
-        """Build the vocabulary now (a server's start-up), not on the first constrained request; a model without a
-        tokenizer is left as it is (its constrained requests are refused)."""
-        if self._tokenizer is None and self._tokenizer_json() is not None:
+        """Build the vocabulary now (a server's start-up), not on the first constrained request. A tokenizer that
+        cannot be read only costs the structured outputs: their requests are refused, naming why."""
+        try:
             self._get_tokenizer()
+        except ValueError as exc:
+            log.warning("structured outputs are unavailable: %s", exc)
 
     def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher of the spec's grammar; ValueError naming the problem when it does not compile."""
@@ -170,5 +175,9 @@ class GrammarCompiler:
                                  "model has none")
             import llguidance
 
-            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.stop_token_ids)
+            try:
+                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                         eos_token=self.stop_token_ids)
+            except Exception as exc:  # llguidance raises its own errors for a tokenizer it cannot read
+                raise ValueError(f"structured outputs need a tokenizer llguidance can read: {_message(exc)}") from None
         return self._tokenizer
