@@ -22,7 +22,7 @@ _PUBLIC = {
     "create_engine": "qwen_jax.engine.skeleton",
     "ENGINE_ARGS": "qwen_jax.engine.core", "LOAD_FORMATS": "qwen_jax.engine.core", "EngineCore": "qwen_jax.engine.core",
     "ModelNotFound": "qwen_jax.engine.model_files", "resolve_path": "qwen_jax.engine.model_files",
-    "read_model_config": "qwen_jax.engine.model_files",
+    "read_model_config": "qwen_jax.engine.model_files", "sampling_defaults": "qwen_jax.engine.model_files",
     "check_structured_outputs": "qwen_jax.engine.grammar", "check_speculative_config": "qwen_jax.engine.speculative",
     "default_cache_dir": "qwen_jax.default_model", "ensure_default_model": "qwen_jax.default_model",
     "host_settings": "sharding.distributed", "parse_layout": "sharding.devices",

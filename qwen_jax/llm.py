@@ -25,6 +25,7 @@ from qwen_jax.engine.model_files import (
     resolve_max_model_len,
     resolve_model,
     resolve_path,
+    sampling_defaults,
 )
 from qwen_jax.engine.output import OutputProcessor
 from qwen_jax.models.decoder import param_shapes
@@ -59,6 +60,9 @@ class LLM:
             engine_args["tokenizer"] = resolve_path(engine_args["tokenizer"])
         self.engine = EngineCore(path, **engine_args)
         self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or path)
+        # the sampling a generate() without SamplingParams gets (the model's generation_config.json, as vLLM's)
+        self.sampling_defaults = sampling_defaults(path, engine_args.get("generation_config", "auto"),
+                                                   engine_args.get("override_generation_config"))
         self.output = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -68,7 +72,7 @@ class LLM:
         failed on ends with finish_reason "error" and its `error`; the others are unaffected."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams(**self.sampling_defaults)
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
@@ -148,6 +152,9 @@ class AsyncLLM:
                                                      engine_args.get("hf_overrides"))
         self.max_model_len = resolve_max_model_len(self.config, engine_args.get("max_model_len"))
         self.eos_token_ids = eos_ids(model_path, self.config, tokenizer_path)
+        # what a request that does not set them samples with (SamplingParams fields)
+        self.sampling_defaults = sampling_defaults(model_path, engine_args.get("generation_config", "auto"),
+                                                   engine_args.get("override_generation_config"))
         self.model_name = model_path.rstrip("/").split("/")[-1]
         self.output = OutputProcessor(self.tokenizer)
 

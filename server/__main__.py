@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-overrides", type=json_dict, default=None,
                    help="a JSON object put over config.json's entries, e.g. '{\"max_position_embeddings\": "
                         "32768}' (default: none)")
+    g.add_argument("--generation-config", default="auto",
+                   help="where requests' sampling defaults come from: auto, the model's generation_config.json "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps every "
+                        "request); vllm, none (OpenAI's); or a directory holding a generation_config.json "
+                        "(default: auto)")
+    g.add_argument("--override-generation-config", type=json_dict, default=None,
+                   help="a JSON object of generation-config entries put over those, e.g. '{\"temperature\": 0.5}' "
+                        "(default: none)")
     g.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
                    help=engine("dtype", "weights' and activations' type; auto: the checkpoint's"))
     g.add_argument("--seed", type=int, default=None,
@@ -226,7 +234,8 @@ REFUSED_SWITCHES = ("--enable-lora",)  # of those, the flags that take no value
 ENGINE_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching",
                 "load_format", "dtype", "seed", "kernels", "num_scheduler_steps", "speculative_config", "num_hosts",
-                "host_index", "coordinator_address", "tokenizer", "block_size", "hf_overrides")
+                "host_index", "coordinator_address", "tokenizer", "block_size", "hf_overrides",
+                "generation_config", "override_generation_config")
 
 
 def json_list(text: str) -> list[str]:
@@ -263,7 +272,14 @@ class UsageError(Exception):
 def check_args(args: argparse.Namespace) -> None:
     """Resolve the model, tokenizer and chat template and check the flags, before anything loads; a problem is a
     UsageError."""
-    from qwen_jax import ModelNotFound, check_speculative_config, parse_layout, read_model_config, resolve_path
+    from qwen_jax import (
+        ModelNotFound,
+        check_speculative_config,
+        parse_layout,
+        read_model_config,
+        resolve_path,
+        sampling_defaults,
+    )
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -277,6 +293,11 @@ def check_args(args: argparse.Namespace) -> None:
             args.tokenizer = resolve_path(args.tokenizer, args.revision, args.download_dir)
     except (ModelNotFound, ValueError) as exc:  # (ValueError: --hf-overrides that break the config)
         raise UsageError(str(exc).replace("hf_overrides", "--hf-overrides", 1)) from None
+    try:
+        sampling_defaults(args.model or "", args.generation_config, args.override_generation_config)
+    except ValueError as exc:
+        flag = "--override-generation-config" if args.override_generation_config else "--generation-config"
+        raise UsageError(f"{flag}: {exc}") from None
     if args.chat_template is not None:
         args.chat_template = read_chat_template(args.chat_template)
     for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
@@ -470,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     # the core processes start loading and compiling at once, while this front reads the tokenizer and builds
     engine = AsyncLLM.from_engine_args(model, warmup=args.warmup, layout=args.layout, launch=True,
                                        **engine_args(args))
+    if engine.sampling_defaults:
+        log.warning("requests that do not set them sample with the model's generation config: %s (--generation-config"
+                    " vllm: OpenAI's defaults instead)", engine.sampling_defaults)
     dp = engine.engine_args.get("data_parallel_size") or 1
     log.info("layout: %d data-parallel replica(s) x tensor-parallel size %s%s", dp,
              engine.engine_args.get("tensor_parallel_size") or "all devices",

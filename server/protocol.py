@@ -586,21 +586,28 @@ class _Sampling(_Model):
         return (StructuredOutputsParams(json=fmt.json_schema.json_schema, **whitespace),
                 "response_format.json_schema.schema")
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """The engine's parameters; max_tokens is a placeholder when not given (the room left fills it per prompt).
-        best_of above n asks the engine for logprobs, which choose the candidates."""
+        best_of above n asks the engine for logprobs, which choose the candidates. `defaults`: the server's sampling
+        defaults (the model's generation config), for the fields this request does not set."""
+        sampling = {name: getattr(self, name) for name in DEFAULTED}
+        sampling.update({name: value for name, value in (defaults or {}).items()
+                         if name in DEFAULTED and name not in self.model_fields_set})
         logprobs = self.requested_logprobs
         if logprobs is None and self.candidates > self.n:
             logprobs = 0
         given = self.max_tokens_given
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=given if given is not None else max(1, self.min_tokens), temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            max_tokens=given if given is not None else max(1, self.min_tokens), **sampling,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
+
+
+# The sampling fields a server's defaults (the model's generation config) fill when a request does not set them.
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class ChatCompletionRequest(_Sampling, _ChatPrompt):

@@ -374,7 +374,10 @@ class Serving:
         max_len = self.state.engine.max_model_len
         what = self.prompt_param
         base = uuid.uuid4().hex
-        given = req.max_tokens_given
+        defaults = self.state.engine.sampling_defaults
+        given, cap = req.max_tokens_given, defaults.get("max_tokens")  # (max_new_tokens caps every request)
+        if given is not None and cap is not None:
+            given = min(given, cap)
         jobs = []
         for pi, prompt in enumerate(prompts):
             if req.truncate_prompt_tokens is not None and len(prompt.token_ids) > req.truncate_prompt_tokens:
@@ -385,10 +388,11 @@ class Serving:
             if not ids:
                 raise APIError(f"the {what} is empty after tokenization", param=what)
             try:
-                params = dataclasses.replace(req.sampling_params(), structured_outputs=constraint)
+                params = dataclasses.replace(req.sampling_params(defaults), structured_outputs=constraint)
             except ValueError as exc:  # SamplingParams' own checks (the protocol's bounds are tighter)
                 raise APIError(str(exc)) from None
             if given is not None:
+                params = dataclasses.replace(params, max_tokens=given)
                 if len(ids) + given > max_len:
                     raise APIError(f"This model's maximum context length is {max_len} tokens. However, you "
                                    f"requested {len(ids) + given} tokens ({len(ids)} in the {what}, {given} in the "
@@ -400,7 +404,7 @@ class Serving:
                     raise APIError(f"This model's maximum context length is {max_len} tokens. However, your {what} "
                                    f"has {len(ids)} tokens, which leaves no room for the completion.", param=what,
                                    code="context_length_exceeded")
-                params = dataclasses.replace(params, max_tokens=room)
+                params = dataclasses.replace(params, max_tokens=room if cap is None else min(room, cap))
             for j in range(req.candidates):
                 choice = params
                 if params.seed is not None and req.candidates > 1:

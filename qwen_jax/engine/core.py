@@ -60,6 +60,11 @@ ENGINE_ARGS = dict(
     dtype="auto",
     tokenizer=None,  # a tokenizer directory (or hub id in the local cache) other than the model's
     hf_overrides=None,  # a dict put over config.json's entries (vLLM's --hf-overrides)
+    # The sampling defaults of requests that do not set them (vLLM's --generation-config; read by the front, llm.py):
+    # "auto", the model's generation_config.json; "vllm", none; or a directory holding one. The override (a dict of
+    # the same entries) goes over them.
+    generation_config="auto",
+    override_generation_config=None,
     kernels="auto",  # "gpu": the kernels of pallas_kernels/ for the ops that have one; "reference": the jnp ops;
     # "auto": the kernels on a GPU, the references elsewhere
     seed=0,

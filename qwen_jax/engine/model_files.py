@@ -92,6 +92,32 @@ def load_tokenizer(model_path: str):
     return None
 
 
+# generation_config.json's sampling entries -> the SamplingParams fields they set by default
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(model_path: str, generation_config: str = "auto", overrides: dict | None = None) -> dict:
+    """The SamplingParams fields a request that does not set them takes (vLLM's --generation-config): from the
+    model's generation_config.json ("auto"), none ("vllm"), or from a directory's; `overrides` (generation-config
+    entries) go over them. max_tokens (max_new_tokens) caps every request's."""
+    if overrides is not None and (not isinstance(overrides, dict) or set(overrides) - set(GENERATION_DEFAULTS)):
+        raise ValueError(f"override_generation_config must be a dict of {', '.join(GENERATION_DEFAULTS)}; got "
+                         f"{overrides!r}")
+    entries: dict = {}
+    if generation_config != "vllm":
+        folder = model_path if generation_config == "auto" else generation_config
+        path = os.path.join(folder, "generation_config.json")
+        if generation_config != "auto" and not os.path.exists(path):
+            raise ValueError(f"generation_config {generation_config!r}: no generation_config.json there (give a "
+                             f"directory holding one, 'auto' or 'vllm')")
+        if os.path.exists(path):
+            with open(path) as f:
+                entries = {k: v for k, v in json.load(f).items() if k in GENERATION_DEFAULTS and v is not None}
+    entries.update(overrides or {})
+    return {GENERATION_DEFAULTS[k]: v for k, v in entries.items()}
+
+
 def tokenizer_json(tokenizer_path: str) -> str | None:
     """The tokenizer's vocabulary as HF tokenizers' JSON (structured outputs read it): its tokenizer.json, else its
     fast tokenizer serialized (transformers converts a SentencePiece one); None when it has neither."""

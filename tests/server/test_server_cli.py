@@ -112,6 +112,10 @@ def test_bad_flags_are_one_line(args, message):
                                                                                 "'many'} make an invalid config"),
     (["--ssl-keyfile", "no/such/key.pem", "--ssl-certfile", "no/such/cert.pem"], "--ssl-keyfile 'no/such/key.pem' is "
                                                                                  "not a file"),
+    (["--generation-config", "no/such/dir"], "--generation-config: generation_config 'no/such/dir': no "
+                                             "generation_config.json there"),
+    (["--override-generation-config", '{"sample": true}'], "--override-generation-config: override_generation_config "
+                                                           "must be a dict of temperature"),
 ])
 def test_vllm_flags_for_what_this_engine_does_not_do_are_refused_before_anything_loads(args, message,
                                                                                        default_model_dir):

@@ -339,3 +339,30 @@ def test_a_declared_length_over_the_limit_gets_413_at_once_though_no_body_comes(
         head = sock.recv(65536).decode("latin-1")
     assert head.startswith("HTTP/1.1 413") and time.monotonic() - began < 5, head[:200]
     assert_still_serving(server)
+
+
+def test_the_generation_configs_sampling_defaults_fill_what_a_request_leaves_out(server):
+    """(vLLM's --generation-config: the model's generation_config.json, or --override-generation-config, as here.)
+    A request that sets no temperature samples with the default's; one that sets it keeps its own; max_new_tokens
+    caps every request's max_tokens."""
+    engine = server.engine
+    assert engine.sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}  # the default model's file
+
+    def text(**fields) -> tuple[str, str, int]:
+        status, _, body = http_json("POST", server.url + COMP, {"prompt": "Once upon", "ignore_eos": True, **fields})
+        assert status == 200, body
+        return body["choices"][0]["text"], body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]
+
+    saved = engine.sampling_defaults
+    try:
+        greedy = text(max_tokens=8, temperature=0.0)
+        engine.sampling_defaults = {"temperature": 0.0, "max_tokens": 3}
+        defaulted = text(max_tokens=8, seed=1)[0]  # greedy by default, cut to 3 tokens
+        assert defaulted == text(max_tokens=8, seed=2)[0] and greedy[0].startswith(defaulted) and defaulted
+        sampled = {text(max_tokens=3, temperature=1.0, seed=seed)[0] for seed in range(4)}
+        assert len(sampled) > 1  # the request's own temperature
+        assert text(max_tokens=8, temperature=0.0)[1:] == ("length", 3)
+        assert text()[1:] == ("length", 3)  # no max_tokens: the room left, capped
+    finally:
+        engine.sampling_defaults = saved
+    wait_idle(server)
