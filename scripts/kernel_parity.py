@@ -6,9 +6,9 @@ batches, with each step's full logits in hand, which the serving engine never ha
 Random weights give near-uniform logits, so free-running greedy tokens part at near-ties; the teacher-forced run
 (the gpu engine fed the reference's tokens) compares the logits of every step instead. With the dummy weights' std
 0.02 everywhere the full-size model amplifies rounding into different logits; `--embed-scale 1 --residual-scale
-0.002 --dt-bias -4` gives a model that does not (residual_scales, set_leaves; scripts/device_final_check.sh runs
-that; docs/ARCHITECTURE.md has its numbers). Never keeps full-vocab logits rows beyond the current step: each
-step's statistics are computed on the device.
+0.002 --dt-bias -4` gives a model that does not (residual_scales, set_leaves; scripts/device_bench_suite.sh runs
+that; RESULTS.json's greedy_divergence and moe_parity entries have its numbers). Never keeps full-vocab logits rows
+beyond the current step: each step's statistics are computed on the device.
 
 Phases (each prefills every prompt, then runs --steps decode steps; step 0 is the prefill's last-token logits):
   1. reference, free-running greedy (timed: ms per decode step of the batch; each step waits for its token on the
@@ -67,7 +67,7 @@ def residual_scales(cfg, embed_scale: float | None, residual_scale: float | None
     """random_params' per-leaf stds for --embed-scale / --residual-scale (those of this model's leaves).
 
     With every matrix at std 0.02 (the dummy weights) each layer adds more to the residual stream than the embedding
-    holds and the full-size model amplifies one bf16 ulp into different logits (docs/ARCHITECTURE.md), so the
+    holds and the full-size model amplifies one bf16 ulp into different logits (RESULTS.json), so the
     comparison cannot tell a kernel bug from rounding. A large embedding (std 1) and small residual writers (e.g.
     0.002) keep each layer's contribution a few percent of the stream: rounding stays rounding, while the context
     and the recurrent state still move the logits (the controls measure by how much)."""

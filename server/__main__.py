@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layout", default="auto",
                    help="where the model runs: 'auto' puts it on every visible GPU of this host in the best measured "
                         "layout unless -tp, -dp or --enable-expert-parallel is given (one GPU: itself; its table: "
-                        "docs/ARCHITECTURE.md, 'Layouts'), or 'DP=2,TP=2' / 'TP=4,EP' / 'EP=4' (default: "
+                        "sharding/devices.py AUTO_LAYOUTS), or 'DP=2,TP=2' / 'TP=4,EP' / 'EP=4' (default: "
                         "%(default)s)")
     g.add_argument("--num-hosts", type=int, default=None,
                    help="processes (hosts) serving one model together, joined by jax.distributed; host 0 alone "

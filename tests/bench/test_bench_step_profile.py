@@ -2,7 +2,7 @@
 rows (several decode steps a program for a small batch, one for a larger, as the engine runs them) and of a prefill
 runs one step ahead and is timed; speculative decoding's verify step (step.verify_step on a runner that drafts k) and
 that runner's plain step (the head's draft_step after it) are timed per batch and k; each measurement prints as one
-JSON line whose first key names it (scripts/device_final_check.sh greps those). Its numbers only mean something on a
+JSON line whose first key names it (scripts/device_bench_suite.sh greps those). Its numbers only mean something on a
 GPU.
 """
 

@@ -3,7 +3,7 @@ speculation off, on full-size random weights: with `--load-format dummy_echo` an
 drafts are all accepted, so this is speculative decoding's best case at c=1 on the real shapes.
 
 Never a correctness check (random weights): prints one line per setting. Usage (one GPU):
-    python scripts/c1_speculative_tpot.py --model <35B-A3B config dir> [--load-format dummy_echo]
+    python scripts/speculative_tpot_one_request.py --model <35B-A3B config dir> [--load-format dummy_echo]
 """
 
 from __future__ import annotations
