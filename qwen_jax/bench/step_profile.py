@@ -25,7 +25,7 @@ from qwen_jax.bench.gpu_profile import profile_calls
 from qwen_jax.bench.roofline import H200_TBPS, decode_bytes, prefill_flops_per_token
 from qwen_jax.bench.speculative import spec_config
 from qwen_jax.config import load_config
-from qwen_jax.engine import step
+from qwen_jax.engine import buckets
 from qwen_jax.engine.core import engine_args
 from qwen_jax.engine.replica import DECODE_STEPS, Replica
 from qwen_jax.engine.runner import VERIFY_ROUNDS_PER_DECODE_STEP, ModelRunner
@@ -268,7 +268,7 @@ def main(argv: Seq[str] | None = None) -> dict:
                                  num_scheduler_steps=args.num_scheduler_steps,
                                  kernels=args.kernels, speculative_config=spec_config(k)))
         runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
-        runner.compiler.compile(sorted({step.bucket_for(n, runner.token_buckets) for n in token_counts}), full=False)
+        runner.compiler.compile(sorted({buckets.bucket_for(n, runner.token_buckets) for n in token_counts}), full=False)
         return runner
 
     runner = build_runner(0, [*batches, *prefills])

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from qwen_jax.engine import step
+from qwen_jax.engine import buckets, step
 from qwen_jax.engine.core_client import INHERITED_CONFIG
 from qwen_jax.engine.processes import COMPILE_WORKER, set_process_name
 from qwen_jax.engine.sampler import SamplingTensors
@@ -205,14 +205,14 @@ class Compiler:
     def step_inputs(self, size: int) -> tuple[np.ndarray, step.Layout]:
         """The packed inputs of a step of `size` padding tokens (no request: every write goes to the sinks)."""
         r = self.runner
-        requests = step.request_bucket(size, r.max_num_seqs)
+        requests = buckets.request_bucket(size, r.max_num_seqs)
         batch = ragged([], [], [], [], size, requests, r.table_width)
         return step.pack_inputs(np.zeros(size, np.int32), batch, following=r.following([], requests))
 
     def verify_inputs(self, size: int) -> tuple[np.ndarray, step.Layout]:
         """The packed inputs of a verify step of `size` padding tokens."""
         r = self.runner
-        requests = step.request_bucket(size, r.max_num_seqs)
+        requests = buckets.request_bucket(size, r.max_num_seqs)
         batch = ragged([], [], [], [], size, requests, r.table_width)
         return step.pack_inputs(np.zeros(size, np.int32), batch, draft_source=np.zeros(requests, np.int32))
 
@@ -224,7 +224,7 @@ class Compiler:
         return step.pack(tensors._asdict())
 
     def requests(self, size: int) -> int:
-        return step.request_bucket(size, self.runner.max_num_seqs)
+        return buckets.request_bucket(size, self.runner.max_num_seqs)
 
     # ---- the programs ------------------------------------------------------------------------------------------
     def verify_variants(self, size: int) -> list[tuple[int, int]]:
@@ -234,7 +234,7 @@ class Compiler:
         variants = set()
         for rows in range(1, r.max_num_seqs + 1):
             k = r.drafts_at(rows)
-            if not k or rows * (k + 1) > r.token_buckets[-1] or step.bucket_for(rows * (k + 1),
+            if not k or rows * (k + 1) > r.token_buckets[-1] or buckets.bucket_for(rows * (k + 1),
                                                                               r.token_buckets) != size:
                 continue
             variants.add((k, 1))
@@ -279,7 +279,7 @@ class Compiler:
     def row_counts(self, full: bool = True) -> list[int]:
         """The padded counts of sequences that enter a batch at once (runner.pairs, runner._penalty_rows): every
         power of two up to max_num_seqs (`full`), else one."""
-        return sorted({step.bucket(k) for k in range(1, (self.runner.max_num_seqs if full else 1) + 1)})
+        return sorted({buckets.bucket(k) for k in range(1, (self.runner.max_num_seqs if full else 1) + 1)})
 
     # Each program: (lower, store): `lower()` gives its jax.stages.Lowered (run where it compiles: a thread or a
     # compile worker), `store(compiled)` puts the compiled program where the runner looks it up (in this process).

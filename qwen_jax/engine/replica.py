@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.engine import step
+from qwen_jax.engine import buckets
 from qwen_jax.engine.compilation import uses_workers
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache
@@ -109,8 +109,8 @@ class Replica:
         self.max_verify_tokens = None
         if per_slot and held_back < float("inf"):  # the largest token bucket that fits (a step pads to one)
             fits = int(VERIFY_STATES_SHARE * held_back // per_slot)
-            buckets = step.token_buckets(self.max_num_batched_tokens, self.max_num_seqs)
-            self.max_verify_tokens = max((size for size in buckets if size <= fits), default=0)
+            sizes = buckets.token_buckets(self.max_num_batched_tokens, self.max_num_seqs)
+            self.max_verify_tokens = max((size for size in sizes if size <= fits), default=0)
         self.held_back = held_back if held_back < float("inf") else None
         if fixed_drafts and self.max_verify_tokens is not None and self.max_verify_tokens < fixed_drafts + 1:
             need, room = (fixed_drafts + 1) * per_slot / 2**30, VERIFY_STATES_SHARE * held_back / 2**30

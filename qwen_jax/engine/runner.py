@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
-from qwen_jax.engine import grammar, step
+from qwen_jax.engine import buckets, grammar, step
 from qwen_jax.engine.compilation import Compiler
 from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, cut_path
 from qwen_jax.engine.scheduler import Row
@@ -70,9 +70,9 @@ class ModelRunner:
         self.decode_steps = decode_steps
         self.decode_steps_max_rows = decode_steps_max_rows if decode_steps > 1 else 0
         self.max_verify_rounds = VERIFY_ROUNDS_PER_DECODE_STEP * decode_steps if self.decode_steps_max_rows else 1
-        self.decode_buckets = [size for size in step.token_buckets(max_num_batched_tokens, max_num_seqs)
+        self.decode_buckets = [size for size in buckets.token_buckets(max_num_batched_tokens, max_num_seqs)
                                if size <= self.decode_steps_max_rows]
-        self.token_buckets = step.token_buckets(max_num_batched_tokens, max_num_seqs)
+        self.token_buckets = buckets.token_buckets(max_num_batched_tokens, max_num_seqs)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.step_seed = seed * 1_000_003
@@ -170,8 +170,8 @@ class ModelRunner:
         program issued before this step and not read back yet, by sequence (`_verifying`; their counts are ahead:
         step.Behind)."""
         num_tokens = sum(r.num_tokens for r in rows)
-        padded = step.bucket_for(max(num_tokens, 1), self.token_buckets)
-        num_requests = step.request_bucket(padded, self.max_num_seqs)
+        padded = buckets.bucket_for(max(num_tokens, 1), self.token_buckets)
+        num_requests = buckets.request_bucket(padded, self.max_num_seqs)
         tokens = np.zeros(padded, np.int32)
         source = np.full(padded, -1, np.int32)
         at = 0
@@ -308,7 +308,7 @@ class ModelRunner:
         """The penalty-count rows of sequences entering the batch, from their prompt and output so far (padding
         entries name row num_slots, dropped), each padded to the longest sequence the engine runs: one program per
         count of rows, all compiled ahead."""
-        count, longest = step.bucket(len(seqs)), self.table_width * self.block_size
+        count, longest = buckets.bucket(len(seqs)), self.table_width * self.block_size
         rows = np.full(count, self.num_slots, np.int32)
         ids = np.zeros((count, longest), np.int32)
         num_prompt, num_tokens = np.zeros(count, np.int32), np.zeros(count, np.int32)
@@ -321,7 +321,7 @@ class ModelRunner:
     @staticmethod
     def pairs(pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) index arrays padded to a power of two with (0, 0): padding copies into the sink entry."""
-        src, dst = np.zeros((2, step.bucket(len(pairs))), np.int32)
+        src, dst = np.zeros((2, buckets.bucket(len(pairs))), np.int32)
         for i, (a, b) in enumerate(pairs):
             src[i], dst[i] = a, b
         return src, dst

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qwen_jax.engine.buckets import bucket
 from qwen_jax.sampling_params import SamplingParams
 
 # Rows whose top-k is at most this (and rows without any cut) are served by lax.top_k over the whole batch instead of a
@@ -25,11 +26,6 @@ _U32 = 0xFFFFFFFF
 # A batch without a constrained row: no mask rows (the sampler does not even trace the mask).
 _NO_MASK_ROWS = np.zeros(0, np.int32)
 _NO_MASKS = np.zeros((0, 0), np.int32)
-
-
-def _bucket(n: int, minimum: int) -> int:
-    """0 stays 0 (the feature is off for the whole batch and is not even traced); else the next power of two."""
-    return 0 if n == 0 else max(minimum, 1 << (n - 1).bit_length())
 
 
 class SamplingTensors(NamedTuple):
@@ -118,10 +114,12 @@ class SamplingTensors(NamedTuple):
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 if ids:
                     banned[i] = sorted(ids)
-        banned_ids = np.full((batch_size, _bucket(max(map(len, banned.values()), default=0), 4)), vocab_size, np.int32)
+        most_banned = max(map(len, banned.values()), default=0)  # 0: no bans, not even traced
+        banned_ids = np.full((batch_size, bucket(most_banned, 4) if most_banned else 0), vocab_size, np.int32)
         for i, ids in banned.items():
             banned_ids[i, : len(ids)] = ids
-        width = _bucket(max((len(p.logit_bias or ()) for p in params_list), default=0), 4)
+        most_biased = max((len(p.logit_bias or ()) for p in params_list), default=0)
+        width = bucket(most_biased, 4) if most_biased else 0
         bias_ids = np.full((batch_size, width), vocab_size, np.int32)
         bias_values = np.zeros((batch_size, width), f32)
         for i, p in enumerate(params_list):
@@ -131,7 +129,7 @@ class SamplingTensors(NamedTuple):
         mask_rows, masks = _NO_MASK_ROWS, _NO_MASKS
         if constrained_rows:
             count = len(constrained_rows)
-            masks = np.zeros((_bucket(count, 1), token_masks.shape[1]), np.int32)
+            masks = np.zeros((bucket(count), token_masks.shape[1]), np.int32)
             masks[:count] = token_masks
             mask_rows = np.full(batch_size, len(masks), np.int32)
             mask_rows[list(constrained_rows)] = np.arange(count)

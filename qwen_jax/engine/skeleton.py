@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen_jax.config import ModelConfig, from_hf_dict, from_native_dict
-from qwen_jax.engine import step
+from qwen_jax.engine import buckets, step
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.ops import resolve_kernels
@@ -161,8 +161,8 @@ class Engine:
         power of two, requests to a power of two up to max_num_seqs: padding uses slot 0 and block 0) through the
         engine's step program; the logits of each request's last token."""
         lens = [len(t) for t in tokens]
-        num_tokens = step.bucket(sum(lens), _MIN_TOKENS_BUCKET)
-        num_requests = min(step.bucket(len(request_ids)), step.bucket(self.max_num_seqs))
+        num_tokens = buckets.bucket(sum(lens), _MIN_TOKENS_BUCKET)
+        num_requests = min(buckets.bucket(len(request_ids)), buckets.bucket(self.max_num_seqs))
         reqs = [self.requests[rid] for rid in request_ids]
         batch = ragged(starts, lens, [r.slot for r in reqs], [r.blocks for r in reqs], num_tokens, num_requests,
                        self.blocks_per_seq)

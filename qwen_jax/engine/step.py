@@ -30,34 +30,6 @@ from sharding.ops import ops_for_mesh
 EXACT = {"xla_allow_excess_precision": False}
 
 
-def token_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[int]:
-    """The token counts a step is padded to (one compiled forward each): powers of two up to 512, steps of 512 up
-    to 2048, then steps of 2048, and the token budget itself. Small steps (decode at low concurrency) pad little;
-    large ones are prefill steps, which mostly fill the budget (the scheduler fills it whenever a prompt waits), so
-    few buckets serve them and a cold start compiles few programs."""
-    budget = int(max_num_batched_tokens)
-    sizes = ({1 << i for i in range(10) if 1 << i < budget} | set(range(512, min(budget, 2048), 512))
-             | set(range(2048, budget, 2048)) | {budget})
-    return sorted(sizes)
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The next power of two >= n (at least `minimum`)."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
-
-
-def bucket_for(num_tokens: int, buckets: list[int]) -> int:
-    for size in buckets:
-        if size >= num_tokens:
-            return size
-    raise ValueError(f"{num_tokens} tokens exceed the largest step bucket {buckets[-1]}")
-
-
-def request_bucket(num_tokens: int, max_num_seqs: int) -> int:
-    """Requests of a step of num_tokens tokens: each has at least one token, and at most max_num_seqs run."""
-    return min(num_tokens, max_num_seqs)
-
-
 # ---- packed host inputs ----------------------------------------------------------------------------------------------
 class Layout(NamedTuple):
     """Where each array sits in a packed buffer: (name, dtype, shape, offset) each; hashable (a static argument)."""

@@ -15,7 +15,7 @@ from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
 from qwen_jax import LLM, SamplingParams
 from qwen_jax.config import load_config
-from qwen_jax.engine import step
+from qwen_jax.engine import buckets
 from qwen_jax.engine.replica import VERIFY_STATES_SHARE
 from qwen_jax.models.decoder import cache_shapes
 from qwen_jax.sampling_params import StructuredOutputsParams
@@ -52,16 +52,16 @@ def test_token_buckets_cover_every_plan():
     compiles one forward per bucket, compiles every forward serving can run."""
     rng = np.random.default_rng(0)
     for max_num_seqs, budget in [(64, 2048), (48, 3000), (4, 64), (1, 2048), (256, 2048)]:
-        buckets = step.token_buckets(budget, max_num_seqs)
-        assert buckets[-1] == budget and buckets == sorted(set(buckets))
+        sizes = buckets.token_buckets(budget, max_num_seqs)
+        assert sizes[-1] == budget and sizes == sorted(set(sizes))
         for _ in range(300):
             requests = int(rng.integers(1, max_num_seqs + 1))
             tokens = int(rng.integers(requests, max(requests, budget) + 1)) if requests <= budget else None
             if tokens is None:
                 continue
-            size = step.bucket_for(tokens, buckets)
-            assert size >= tokens and step.request_bucket(size, max_num_seqs) >= requests
-            assert size < 2 * tokens or size <= 1 or size == buckets[0]  # never more than twice the tokens
+            size = buckets.bucket_for(tokens, sizes)
+            assert size >= tokens and buckets.request_bucket(size, max_num_seqs) >= requests
+            assert size < 2 * tokens or size <= 1 or size == sizes[0]  # never more than twice the tokens
 
 
 class CompileCounter:
