@@ -1,7 +1,6 @@
 """Offline engine benchmarks: throughput of fixed prefill/decode/remove traces, and a one-batch latency table.
 
-Drives `qwen_jax.create_engine` (or `qwen_jax.Engine` over dummy weights) directly; never starts a server, and
-fails with a clear message when the engine API it needs is missing instead of standing in for it.
+Drives `qwen_jax.create_engine` (traces) and `qwen_jax.LLM` (one batch) directly; never starts a server.
 
 Traces (base / --scale):
   prefill  prefill 4 x 128 then remove                         / 64 x 1,024
@@ -14,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import inspect
 import json
 import os
 import statistics
@@ -62,44 +59,20 @@ def trace_needs(trace: Sequence[tuple]) -> tuple[int, int]:
 
 # ---- building the engine ---------------------------------------------------------------------------------------
 
-def _api(name: str) -> Any:
-    import qwen_jax
-
-    obj = getattr(qwen_jax, name, None)
-    if obj is None:
-        raise SystemExit(f"qwen_jax.{name} does not exist in this checkout; the engine benchmark needs it")
-    return obj
-
-
 def build_engine(config_path: str, weight_dir: str | None, device: str, max_num_seqs: int, max_model_len: int,
                  seed: int = 0, kernels: str | None = None) -> tuple[Any, str]:
-    """An engine sized for the trace, and "real" or "random". With `weight_dir` it is `create_engine(config,
-    weight_dir, device)`; without, `create_engine(..., load_format="dummy")` when the engine takes that, else
-    the Engine class beside create_engine over `decoder.random_params` placed on the device."""
-    create_engine = _api("create_engine")
+    """A create_engine engine sized for the trace over the checkpoint in `weight_dir` ("real") or random weights
+    of the config's shapes drawn from `seed` ("random")."""
+    from qwen_jax import create_engine
+
     file = os.path.join(config_path, "config.json") if os.path.isdir(config_path) else config_path
     with open(file) as f:
         hf_config = json.load(f)
-    kwargs = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
-    if kernels is not None:  # only this repo's engine knows the switch; other engines never see it
-        kwargs["kernels"] = kernels
+    kwargs = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+              **({"kernels": kernels} if kernels is not None else {})}
     if weight_dir is not None:
         return create_engine(hf_config, weight_dir, device, **kwargs), "real"
-    if "load_format" in inspect.signature(create_engine).parameters:
-        return create_engine(hf_config, weight_dir, device, load_format="dummy", **kwargs), "random"
-    import jax
-
-    from qwen_jax.config import load_config
-    from qwen_jax.models.decoder import random_params
-
-    engine_cls = getattr(importlib.import_module(create_engine.__module__), "Engine", None)
-    if engine_cls is None:
-        raise SystemExit(f"{create_engine.__module__} has no Engine class to run dummy weights; pass --weights")
-    cfg = load_config(file)
-    jax_device = jax.devices("cpu")[0] if device == "cpu" else jax.devices()[0]
-    with jax.default_device(jax_device):
-        params = random_params(cfg, seed)
-    return engine_cls(cfg, params, jax_device, **kwargs), "random"
+    return create_engine(hf_config, None, device, load_format="dummy", seed=seed, **kwargs), "random"
 
 
 def peak_memory_bytes() -> int | None:
@@ -212,32 +185,17 @@ def bench_one_batch(engine: Any, batch: int, input_len: int, output_len: int, vo
     }
 
 
-def offline_llm_class() -> Any | None:
-    """`qwen_jax.LLM` (or `qwen_jax.llm.LLM`) when this checkout has the offline API, else None."""
-    import qwen_jax
-
-    if hasattr(qwen_jax, "LLM"):
-        return qwen_jax.LLM
-    try:
-        return importlib.import_module("qwen_jax.llm").LLM
-    except ModuleNotFoundError as e:
-        if e.name != "qwen_jax.llm":
-            raise
-        return None
-
-
 def build_llm(model_dir: str, weights: str | None, max_batch: int, max_len: int, batched_tokens: int,
               kernels: str | None = None, layout_args: dict | None = None) -> Any:
     """The offline LLM for one-batch runs: dummy weights unless `weights` is given (then it must equal
     `model_dir`, the LLM reads config and checkpoint from one directory), no prefix cache, and a prefill token
     budget of `batched_tokens` per step (64 x 4,096 tokens in one step would need memory for their activations).
     `layout_args`: tensor_parallel_size, data_parallel_size, enable_expert_parallel (only those given)."""
-    llm_cls = offline_llm_class()
-    if llm_cls is None:
-        raise SystemExit("qwen_jax.LLM does not exist in this checkout; use --api engine")
+    from qwen_jax import LLM
+
     if weights is not None and os.path.abspath(weights) != os.path.abspath(model_dir):
         raise SystemExit("with --api llm the checkpoint is read from --config's directory; pass the same path")
-    return llm_cls(model_dir, load_format="auto" if weights else "dummy", max_num_seqs=max_batch,
+    return LLM(model_dir, load_format="auto" if weights else "dummy", max_num_seqs=max_batch,
                    max_model_len=max_len, max_num_batched_tokens=batched_tokens, enable_prefix_caching=False,
                    **({"kernels": kernels} if kernels else {}), **(layout_args or {}))
 
@@ -295,8 +253,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", default="1,2,4,8,16,64", help="one-batch sizes")
     p.add_argument("--api", choices=["auto", "llm", "engine"], default="auto",
-                   help="one-batch through qwen_jax.LLM or create_engine; auto: LLM when present and --config is "
-                        "a model directory")
+                   help="one-batch through qwen_jax.LLM or create_engine; auto: LLM when --config is a model "
+                        "directory")
     p.add_argument("--input-len", type=int, default=4096)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -322,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     vocab = cfg.vocab_size
     api = args.api
     if api == "auto":
-        api = "llm" if offline_llm_class() is not None and os.path.isdir(args.config) else "engine"
+        api = "llm" if os.path.isdir(args.config) else "engine"
     needs = [trace_needs(t) for t in traces.values()]
     if api == "engine":
         needs += [(b, args.input_len + args.output_len) for b in batches]

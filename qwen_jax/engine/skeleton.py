@@ -28,6 +28,7 @@ from qwen_jax.weights import (
     TensorSource,
     TorchFileSource,
     WeightError,
+    dummy_params,
     load_params,
     open_checkpoint,
     read_llama2c,
@@ -261,11 +262,22 @@ def _open_weights(model_config: dict | None, weight_dir: str) -> tuple[ModelConf
     raise WeightError(f"no weights in {weight_dir}: expected *.safetensors, model.pt or a llama2.c .bin")
 
 
-def create_engine(model_config: dict | None, weight_dir: str, device: str = "cuda", **engine_kwargs) -> Engine:
+def create_engine(model_config: dict | None, weight_dir: str | None, device: str = "cuda", load_format: str = "auto",
+                  seed: int = 0, **engine_kwargs) -> Engine:
     """Load `weight_dir` (HF safetensors dir, a dir with the native `model.pt`, or a llama2.c `.bin` / a dir
     holding one) for `model_config` (an HF config dict or the native dict) onto `device` ('cuda', 'cpu' or
-    'auto'). `engine_kwargs`: max_num_seqs, max_model_len, block_size, max_num_batched_tokens, kernels."""
+    'auto'); with load_format "dummy", random weights of `model_config`'s shapes drawn from `seed` instead
+    (`weight_dir` unused).
+    `engine_kwargs`: max_num_seqs, max_model_len, block_size, max_num_batched_tokens, kernels."""
     jax_device = _resolve_device(device)
+    if load_format == "dummy":
+        if model_config is None:
+            raise ValueError("load_format 'dummy' needs model_config: the shapes come from it")
+        cfg = from_hf_dict(model_config)
+        with jax.default_device(jax_device):
+            return Engine(cfg, dummy_params(cfg, seed), jax_device, **engine_kwargs)
+    if load_format != "auto":
+        raise ValueError(f"load_format {load_format!r}: expected 'auto' or 'dummy'")
     cfg, source = _open_weights(model_config, weight_dir)
     cfg = resolve_mtp(cfg, source)
     params = load_params(cfg, source, place=lambda path, a: jax.device_put(a, jax_device))

@@ -102,3 +102,13 @@ def test_one_batch_through_the_offline_llm_uses_request_timestamps():
     assert row["input_tok_s"] == pytest.approx(4 * 16 / 0.53)
     assert row["output_tok_s"] == pytest.approx(4 * 5 / 0.47)
     assert row["itl_ms_median"] == pytest.approx(0.47 / 5 * 1e3)
+
+
+def test_a_trace_runs_through_create_engine_on_random_weights_of_the_configs_shapes(hybrid_mtp_dir):
+    from qwen_jax.bench.engine import main
+
+    entry = main(["--config", f"{hybrid_mtp_dir}/config.json", "--device", "cpu", "--mode", "traces", "--traces",
+                  "prefill", "--warmup", "0", "--repeats", "1", "--results", "none"])
+    assert entry["weights"] == "random"
+    (row,) = entry["levels"]["traces"]
+    assert row["trace"] == "prefill" and row["tok_s"] > 0
