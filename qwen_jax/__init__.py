@@ -23,17 +23,14 @@ _PUBLIC = {
     "ENGINE_ARGS": "qwen_jax.engine.core", "LOAD_FORMATS": "qwen_jax.engine.core", "EngineCore": "qwen_jax.engine.core",
     "ModelNotFound": "qwen_jax.engine.model_files", "resolve_path": "qwen_jax.engine.model_files",
     "read_model_config": "qwen_jax.engine.model_files", "sampling_defaults": "qwen_jax.engine.model_files",
-    "check_structured_outputs": "qwen_jax.engine.grammar", "check_speculative_config": "qwen_jax.engine.speculative",
+    "check_structured_outputs": "qwen_jax.engine.grammar", "parse_speculative_config": "qwen_jax.engine.speculative",
     "default_cache_dir": "qwen_jax.default_model", "ensure_default_model": "qwen_jax.default_model",
     "host_settings": "sharding.distributed", "parse_layout": "sharding.devices",
 }
-# Public names that differ from the name in their module.
-_ALIASES = {"check_structured_outputs": "check", "host_settings": "settings",
-            "check_speculative_config": "speculation"}
 __all__ = list(_PUBLIC)
 
 
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'qwen_jax' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), _ALIASES.get(name, name))
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

@@ -32,7 +32,7 @@ from qwen_jax.models.decoder import param_shapes
 from qwen_jax.outputs import RequestOutput
 from qwen_jax.sampling_params import SamplingParams
 from sharding.devices import auto_layout, gpu_memory_bytes, parse_layout, replica_environments, visible_gpus
-from sharding.distributed import settings
+from sharding.distributed import host_settings
 
 Prompt = str | list[int] | dict
 # The engine arguments that set where the model runs (AsyncLLM.from_engine_args' `layout` sets them all).
@@ -175,7 +175,7 @@ class AsyncLLM:
                 raise ValueError(f"layout {layout!r} and {', '.join(explicit)} both set the layout: give one")
             dp, tp, ep = parse_layout(layout)
             given.update(data_parallel_size=dp, tensor_parallel_size=tp, enable_expert_parallel=ep)
-        elif layout == "auto" and not explicit and settings(given.get("num_hosts"))[0] == 1:
+        elif layout == "auto" and not explicit and host_settings(given.get("num_hosts"))[0] == 1:
             gpus = visible_gpus()
             if len(gpus) > 1:
                 cfg = read_model_config(path, given.get("dtype", ENGINE_ARGS["dtype"]), given.get("hf_overrides"))
@@ -192,7 +192,7 @@ class AsyncLLM:
         """(engine arguments, environment) of each core process: one for the whole engine, or on one host with
         data_parallel_size D > 1, one per replica (data_parallel_rank i) that sees only its own devices."""
         dp = int(self.engine_args.get("data_parallel_size") or 1)
-        if dp == 1 or settings(self.engine_args.get("num_hosts"))[0] > 1:
+        if dp == 1 or host_settings(self.engine_args.get("num_hosts"))[0] > 1:
             return [(self.engine_args, {})]
         envs = replica_environments(dp, self.engine_args.get("tensor_parallel_size"))
         # each core compiles on its share of the host's cores

@@ -274,8 +274,8 @@ def check_args(args: argparse.Namespace) -> None:
     UsageError."""
     from qwen_jax import (
         ModelNotFound,
-        check_speculative_config,
         parse_layout,
+        parse_speculative_config,
         read_model_config,
         resolve_path,
         sampling_defaults,
@@ -315,7 +315,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.enable_chunked_prefill is False:
         raise UsageError("--no-enable-chunked-prefill is not supported: long prompts are always prefilled in chunks")
     try:
-        check_speculative_config(args.speculative_config)
+        parse_speculative_config(args.speculative_config)
     except ValueError as exc:
         raise UsageError(str(exc).replace("speculative_config", "--speculative-config", 1)) from None
     if args.layout != "auto":

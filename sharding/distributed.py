@@ -23,7 +23,7 @@ def _env(names: tuple[str, ...]) -> str | None:
     return None
 
 
-def settings(num_hosts: int | None = None, host_index: int | None = None, coordinator_address: str | None = None
+def host_settings(num_hosts: int | None = None, host_index: int | None = None, coordinator_address: str | None = None
              ) -> tuple[int, int, str | None]:
     """(num_hosts, host_index, coordinator_address): the arguments given, the environment for the others (torchrun's
     MASTER_ADDR/MASTER_PORT also give the coordinator); one host, index 0, no address by default."""
@@ -39,9 +39,9 @@ def initialize(num_hosts: int | None = None, host_index: int | None = None, coor
                local_device_ids: list[int] | None = None, cpu_collectives: str | None = "gloo",
                timeout_s: int = 300) -> bool:
     """Join the cluster of `num_hosts` processes (host 0 serves `coordinator_address`, "host:port"); arguments not
-    given come from the environment (`settings`). Returns False (and does nothing) for a single host. On CPU,
+    given come from the environment (`host_settings`). Returns False (and does nothing) for a single host. On CPU,
     cross-process collectives need `cpu_collectives` (gloo)."""
-    num_hosts, host_index, address = settings(num_hosts, host_index, coordinator_address)
+    num_hosts, host_index, address = host_settings(num_hosts, host_index, coordinator_address)
     if num_hosts <= 1:
         return False
     if jax.distributed.is_initialized():  # a second engine in the same process

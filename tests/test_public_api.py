@@ -11,7 +11,7 @@ import qwen_jax
 def test_every_public_name_resolves_to_its_module_object():
     for name in qwen_jax.__all__:
         module = importlib.import_module(qwen_jax._PUBLIC[name])
-        assert getattr(qwen_jax, name) is getattr(module, qwen_jax._ALIASES.get(name, name)), name
+        assert getattr(qwen_jax, name) is getattr(module, name), name
 
 
 def test_an_unknown_name_is_an_attribute_error():

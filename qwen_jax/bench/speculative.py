@@ -21,7 +21,7 @@ import jax
 
 from qwen_jax.bench.results import DEFAULT_RESULTS, REPO_ROOT, append_result, make_entry
 from qwen_jax.engine.model_files import load_tokenizer
-from qwen_jax.engine.speculative import speculation
+from qwen_jax.engine.speculative import parse_speculative_config
 from qwen_jax.llm import LLM
 from qwen_jax.sampling_params import SamplingParams
 
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     drafts = _ints(args.drafts)
     for k in drafts:  # a bad k fails here, before any engine is built
-        speculation(spec_config(k))
+        parse_speculative_config(spec_config(k))
     if args.prompts < 1 or args.max_tokens < 1:
         raise ValueError("--prompts and --max-tokens must be at least 1")
     tokenizer = load_tokenizer(args.model)

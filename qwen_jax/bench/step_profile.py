@@ -31,7 +31,7 @@ from qwen_jax.engine.replica import DECODE_STEPS, Replica
 from qwen_jax.engine.runner import VERIFY_ROUNDS_PER_DECODE_STEP, ModelRunner
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
-from qwen_jax.engine.speculative import speculation
+from qwen_jax.engine.speculative import parse_speculative_config
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.gated_deltanet import gdn_layer
@@ -248,7 +248,7 @@ def main(argv: Seq[str] | None = None) -> dict:
     cfg = load_config(args.config)
     batches, prefills, drafts = _ints(args.batches), _ints(args.prefill), sorted(set(_ints(args.verify)))
     for k in drafts:  # a bad k fails before any weights are made
-        speculation(spec_config(k))
+        parse_speculative_config(spec_config(k))
     if any(drafts) and not cfg.has_mtp:
         raise ValueError("--verify with k > 0 needs a config with an MTP head (mtp_num_hidden_layers 1)")
     mesh = make_mesh(args.tensor_parallel_size, 1, args.enable_expert_parallel)

@@ -26,7 +26,7 @@ from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence, Status
-from qwen_jax.engine.speculative import MAX_DRAFTS, VerifyOutput, speculation
+from qwen_jax.engine.speculative import MAX_DRAFTS, VerifyOutput, parse_speculative_config
 from qwen_jax.layers.ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
@@ -164,7 +164,7 @@ class EngineCore:
             raise ValueError(f"load_format {args['load_format']!r}: expected one of {', '.join(LOAD_FORMATS)}")
         source = None if args["load_format"] in RANDOM_LOAD_FORMATS else open_checkpoint(model_path)[1]
         cfg = self.cfg = cfg if source is None else resolve_mtp(cfg, source)
-        speculation(args["speculative_config"], cfg.has_mtp)  # a config the model cannot serve fails here
+        parse_speculative_config(args["speculative_config"], cfg.has_mtp)  # a config the model cannot serve fails here
         # a head layout the partitioned ops cannot split fails here, not mid-step
         ops_for_mesh(cfg, replica_meshes[0], kernels)
         tokenizer_path = args["tokenizer"] or model_path

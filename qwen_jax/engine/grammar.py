@@ -1,6 +1,7 @@
 """Structured outputs through llguidance: a request's StructuredOutputsParams made into an llguidance grammar,
-checked (`check`, for a front that wants to refuse a bad grammar early) and compiled in the core into one matcher
-per constrained request, which fills its row of the token bitmask and advances with each token read back.
+checked (`check_structured_outputs`, for a front that wants to refuse a bad grammar early) and compiled in the core
+into one matcher per constrained request, which fills its row of the token bitmask and advances with each token read
+back.
 
 The vocabulary llguidance reads comes from the tokenizer's own tokenizer.json (no transformers, no torch); it is
 built on the first constrained request, or at start-up with `prepare` (a full warm-up does). Nothing here touches a
@@ -33,7 +34,8 @@ def mask_words(vocab_size: int) -> int:
 
 
 def definition(spec: StructuredOutputsParams) -> str:
-    """The spec's llguidance grammar (not yet checked: `check`). ValueError when it cannot even be converted."""
+    """The spec's llguidance grammar, not yet checked (`check_structured_outputs`); ValueError when it cannot even be
+    converted."""
     import llguidance
 
     kind, source = spec.kind, spec.source
@@ -78,7 +80,7 @@ def _structural_tag(tag: dict) -> str:
     return llguidance.StructTag.to_grammar(tags)
 
 
-def check(spec: StructuredOutputsParams) -> None:
+def check_structured_outputs(spec: StructuredOutputsParams) -> None:
     """Raise ValueError naming the problem when the spec's grammar does not parse; needs no vocabulary, so a front
     can refuse a bad grammar before the core compiles it."""
     import llguidance

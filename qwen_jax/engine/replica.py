@@ -21,7 +21,7 @@ from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.scheduler import Scheduler
 from qwen_jax.engine.sequence import Sequence
-from qwen_jax.engine.speculative import DraftPolicy, speculation
+from qwen_jax.engine.speculative import DraftPolicy, parse_speculative_config
 from sharding import rules
 from sharding.mesh import describe as describe_mesh
 
@@ -56,7 +56,7 @@ class Replica:
             budget = GPU_BATCHED_TOKENS if jax.default_backend() == "gpu" else BATCHED_TOKENS
         self.max_num_batched_tokens = int(budget)
         self.block_size = int(args["block_size"])
-        spec = speculation(args["speculative_config"], cfg.has_mtp)
+        spec = parse_speculative_config(args["speculative_config"], cfg.has_mtp)
         self._size_memory(args, spec.num_drafts if spec.fixed else 0, params)
         self.blocks = BlockPool(self.num_blocks, self.block_size)
         self.slots = SlotPool(self.max_num_seqs + 1)

@@ -35,7 +35,7 @@ class Speculation(NamedTuple):
     fixed: bool  # the config set num_speculative_tokens: every step that can verify does, with that many drafts
 
 
-def speculation(config: dict | str | None, has_mtp: bool = True) -> Speculation:
+def parse_speculative_config(config: dict | str | None, has_mtp: bool = True) -> Speculation:
     """vLLM's speculative config -> Speculation. None (the default) or {"method": "mtp"}: the MTP head's drafts where
     they pay (DraftPolicy), when the model has the head; {"method": "mtp", "num_speculative_tokens": k} (k in
     1..MAX_DRAFTS): k drafts on every step that can verify them; "off" or num_speculative_tokens 0: none. A dict or

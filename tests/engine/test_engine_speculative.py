@@ -13,7 +13,7 @@ from qwen_jax import LLM, SamplingParams
 from qwen_jax.config import load_config
 from qwen_jax.engine import step
 from qwen_jax.engine.replica import VERIFY_STATES_SHARE
-from qwen_jax.engine.speculative import MAX_DRAFTS, speculation
+from qwen_jax.engine.speculative import MAX_DRAFTS, parse_speculative_config
 from qwen_jax.models.decoder import cache_shapes
 
 
@@ -172,7 +172,7 @@ def test_a_model_without_an_mtp_head_cannot_speculate(hybrid_dir, kit):
 ])
 def test_a_bad_speculative_config_is_a_clear_error(config, problem):
     with pytest.raises(ValueError, match=problem):
-        speculation(config)
+        parse_speculative_config(config)
 
 
 def test_several_rounds_a_program_emit_what_plain_decoding_emits(plain, hybrid_mtp_dir, kit):
@@ -224,9 +224,10 @@ def test_by_default_a_model_with_a_head_speculates_where_it_pays(plain, hybrid_m
 def test_speculation_off_and_models_without_a_head_run_plain(hybrid_dir, kit):
     llm = LLM(hybrid_dir, **kit.ENGINE_ARGS)  # the default asks for the head only where there is one
     assert llm.engine.replicas[0].scheduler.speculation is None
-    assert speculation("off") == speculation({"method": "mtp", "num_speculative_tokens": 0}) == (0, False)
-    assert speculation(None, has_mtp=False).num_drafts == 0
-    assert speculation('{"method": "mtp"}') == (MAX_DRAFTS, False)
+    off = parse_speculative_config({"method": "mtp", "num_speculative_tokens": 0})
+    assert parse_speculative_config("off") == off == (0, False)
+    assert parse_speculative_config(None, has_mtp=False).num_drafts == 0
+    assert parse_speculative_config('{"method": "mtp"}') == (MAX_DRAFTS, False)
 
 
 def test_on_an_accelerator_only_rows_with_a_compiled_verify_program_verify(plain, hybrid_mtp_dir, kit):

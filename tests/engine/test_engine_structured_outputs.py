@@ -173,7 +173,7 @@ def test_structured_outputs_never_import_torch(shared_data):
     the vocabulary without transformers' torch (the light install has none)."""
     code = ("import sys; import qwen_jax, qwen_jax.llm, qwen_jax.engine.core, server.app; "
             "from qwen_jax.engine import grammar; from qwen_jax.sampling_params import StructuredOutputsParams as S; "
-            "grammar.check(S(json={'type': 'object'})); "
+            "grammar.check_structured_outputs(S(json={'type': 'object'})); "
             "g = grammar.GrammarCompiler(lambda: open(sys.argv[1]).read(), 248320, [248046]); g.prepare(); "
             "g.matcher(S(regex='a+')); print(sorted(m for m in ('xgrammar', 'torch') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code, str(shared_data / "qwen3_5_tokenizer" / "tokenizer.json")],
