@@ -71,9 +71,9 @@ ENGINE_ARGS = dict(
     # Decode steps per program for batches of a few requests (vLLM's multi-step scheduling); None: 4 on a GPU, 1
     # elsewhere (engine/replica.py says why).
     num_scheduler_steps=None,
-    # Speculative decoding with the model's MTP head (vLLM's flag, engine/speculative.py `parse_speculative_config`): None (or
-    # {"method": "mtp"}): where it pays, k drafts by batch size (DraftPolicy), when the checkpoint has the head;
-    # {"method": "mtp", "num_speculative_tokens": k}: k drafts on every step that can verify; "off": none.
+    # Speculative decoding with the model's MTP head (vLLM's flag; engine/speculative.py parse_speculative_config):
+    # None (or {"method": "mtp"}): where it pays, k drafts by batch size (DraftPolicy), when the checkpoint has the
+    # head; {"method": "mtp", "num_speculative_tokens": k}: k drafts on every step that can verify; "off": none.
     speculative_config=None,
     block_size=16,
     num_snapshots=None,  # recurrent-state snapshots for the prefix cache; default from memory
