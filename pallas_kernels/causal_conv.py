@@ -22,7 +22,7 @@ requests of two or more tokens, and their slots stay unwritten until the layers'
 
 The arithmetic and tiles (64 x 64 tokens x channels, 256 channels a request) are those measured on an H200 for the
 row layout (`python -m qwen_jax.bench.kernels --only causal_conv`: about 2 TB/s for long prefills, 2-4 us a decode
-step). On the CPU the tests run these kernels under Triton's interpreter; qwen_jax/layers/ops.py
+step). On the CPU the tests run these kernels under Triton's interpreter; qwen_jax/layers/hot_ops.py
 takes the reference where jax-triton cannot run.
 """
 

@@ -4,8 +4,8 @@ qwen_jax.layers.norms.rms_norm).
 Why: for a single row (a decode step of one sequence) XLA splits the norm into two kernels, the sum of squares and then
 the scaling, twice a layer; a step of one sequence waits on kernel launches, not on the GPU
 (profiled on an H200). Here one program normalises one row. From two rows on XLA emits one fused kernel
-itself, so the layers' norm op (qwen_jax/layers/ops.py) runs this kernel for one row only. Same Triton lowering as the
-other Pallas kernels here, so it runs on the CPU in interpret mode.
+itself, so the layers' norm op (qwen_jax/layers/hot_ops.py) runs this kernel for one row only. Same Triton lowering as
+the other Pallas kernels here, so it runs on the CPU in interpret mode.
 """
 
 from __future__ import annotations

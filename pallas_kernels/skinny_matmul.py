@@ -1,6 +1,6 @@
 """x @ w for one row (a decode step of one sequence), or a few rows through a layer's large projections, as a Pallas
 kernel: float32 accumulation, float32 out, the contract of the layers' `dense` op (qwen_jax.layers.mlp.dense, its jnp
-reference; qwen_jax/layers/ops.py decides at which shapes this kernel runs instead).
+reference; qwen_jax/layers/hot_ops.py decides at which shapes this kernel runs instead).
 
 Why: XLA rewrites a one-row dot into a reduction fusion, which streams an 8-16 MB projection weight at 0.7-1.5 TB/s on
 an H200; from two rows on it emits a GEMM, as fast as this kernel except through a layer's 38-51 MB of projections. In a

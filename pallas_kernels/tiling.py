@@ -3,7 +3,7 @@ kernel splits its contraction, a Pallas call's interpret / Triton options, and w
 (jax-triton) can launch on this machine.
 
 Shared by several kernels, so none imports another's helpers; it must never choose between a kernel and its jnp
-reference (qwen_jax/layers/ops.py does).
+reference (qwen_jax/layers/hot_ops.py does).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from qwen_jax.engine.model_files import (
     resolve_path,
     sampling_defaults,
 )
-from qwen_jax.engine.output import OutputProcessor
+from qwen_jax.engine.output_processor import OutputProcessor
 from qwen_jax.models.decoder import param_shapes
 from qwen_jax.outputs import RequestOutput
 from qwen_jax.sampling_params import SamplingParams

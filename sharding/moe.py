@@ -22,7 +22,7 @@ from sharding.rules import entry_axes, param_specs
 
 def expert_parallel_moe(cfg: ModelConfig, mesh: Mesh, routed: Callable) -> Callable:
     """sparse_moe(x [T, H], p, top_k, renormalize, valid) with the experts split over the mesh as sharding/rules.py
-    says; `routed`: the routed experts op of the layers' bundle (layers/ops.py's `experts`), run on each device's
+    says; `routed`: the routed experts op of the layers' bundle (layers/hot_ops.py's `experts`), run on each device's
     experts."""
     specs = param_specs(cfg, mesh)["layers"][cfg.moe_layers[0]]["mlp"]  # every MoE layer has the same specs
     expert_axes = entry_axes(specs["w_gate"][0])

@@ -32,8 +32,8 @@ from qwen_jax.layers.attention import paged_attention as attention_reference
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.gated_deltanet import causal_convs
 from qwen_jax.layers.gated_deltanet import delta_rule as gdn_reference
+from qwen_jax.layers.hot_ops import ops_for
 from qwen_jax.layers.mlp import dense, route, route_logits, routed_experts_f32
-from qwen_jax.layers.ops import ops_for
 
 PEAK_TBS = 4.3  # H200 HBM3e
 PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 tensor cores
@@ -747,7 +747,7 @@ def bench_skinny_matmul(shapes: tuple, row_counts: tuple, interpret: bool, failu
         keys = jax.random.split(jax.random.key(k * 7 + sum(widths)), 1 + len(widths))
         x = jax.random.normal(keys[0], (rows, k)).astype(jnp.bfloat16)
         ws = tuple((jax.random.normal(key, (k, n)) * 0.02).astype(jnp.bfloat16) for key, n in zip(keys[1:], widths))
-        tiles = skinny_matmul.row_tiles(rows)  # as the layers' dense op (qwen_jax/layers/ops.py)
+        tiles = skinny_matmul.row_tiles(rows)  # as the layers' dense op (qwen_jax/layers/hot_ops.py)
         xla = jax.jit(lambda x, *ws: _rounded(dense(x, w) for w in ws))
         apart = jax.jit(lambda x, *ws, tiles=tiles: _rounded(skinny_matmul.matmul(x, w, interpret=interpret, **tiles)
                                                              for w in ws))

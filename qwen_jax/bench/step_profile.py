@@ -35,8 +35,8 @@ from qwen_jax.engine.speculative import parse_speculative_config
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.gated_deltanet import gdn_layer
+from qwen_jax.layers.hot_ops import ops_for
 from qwen_jax.layers.mlp import swiglu_mlp
-from qwen_jax.layers.ops import ops_for
 from qwen_jax.sampling_params import SamplingParams
 from qwen_jax.weights import dummy_params
 from sharding import rules

@@ -5,8 +5,8 @@ follow a verify program N whose outcome (how many drafts each row accepted) is n
 draft and the device moves N+1's positions back by what N rejected (runner.step_inputs, step.stage_behind).
 
 It emits per-request token outputs (CoreOutput) and never detokenizes: text, stop strings and RequestOutputs are the
-front's (engine/output.py). It runs in its own process under the server (engine/core_client.py) or in the caller's
-process for the offline LLM.
+front's (engine/output_processor.py). It runs in its own process under the server (engine/core_client.py) or in the
+caller's process for the offline LLM.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence, Status
 from qwen_jax.engine.speculative import MAX_DRAFTS, VerifyOutput, parse_speculative_config
-from qwen_jax.layers.ops import resolve_kernels
+from qwen_jax.layers.hot_ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 from qwen_jax.weights import TensorSource, dummy_params, echo_params, load_params, open_checkpoint, resolve_mtp
 from sharding import distributed, mesh, rules
-from sharding.ops import ops_for_mesh
+from sharding.partitioned_ops import ops_for_mesh
 
 log = logging.getLogger("qwen_jax")
 

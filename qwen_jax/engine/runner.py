@@ -49,7 +49,7 @@ class ModelRunner:
         """`params` must already be laid out over `mesh` (default: the first device) by sharding.rules. None: the
         mesh is on other hosts (a data-parallel replica there); this runner only writes its steps down, and its
         executor sends them where they run (engine/multihost.py). `kernels`: the hot ops' implementation
-        (qwen_jax/layers/ops.py). A model that speculates: the MTP head proposes num_speculative_tokens drafts a
+        (qwen_jax/layers/hot_ops.py). A model that speculates: the MTP head proposes num_speculative_tokens drafts a
         row, and a verify step of r rows verifies drafts_at(r) of them (0: such a step does not verify; the verify
         programs compiled ahead are those). `lazy`: the device state beside the params is allocated at the warm-up
         once the programs are compiled (compile workers need the device memory meanwhile) or at the first step."""

@@ -21,7 +21,7 @@ from qwen_jax.config import ModelConfig, from_hf_dict, from_native_dict
 from qwen_jax.engine import buckets, step
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.layers.batch import ragged
-from qwen_jax.layers.ops import resolve_kernels
+from qwen_jax.layers.hot_ops import resolve_kernels
 from qwen_jax.weights import (
     DictSource,
     SafetensorsSource,
@@ -58,7 +58,7 @@ class Engine:
                  max_model_len: int | None = None, block_size: int = 16, max_num_batched_tokens: int = 8192,
                  kernels: str = "reference"):
         self.cfg = cfg
-        self.kernels = resolve_kernels(kernels)  # "gpu": the kernels of pallas_kernels/ (qwen_jax/layers/ops.py)
+        self.kernels = resolve_kernels(kernels)  # "gpu": the kernels of pallas_kernels/ (qwen_jax/layers/hot_ops.py)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.params = params
         self.device = device

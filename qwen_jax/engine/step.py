@@ -24,7 +24,7 @@ from qwen_jax.layers.batch import Ragged
 from qwen_jax.models import decoder
 from qwen_jax.models.mtp import mtp_forward, next_tokens_in_request
 from sharding import rules
-from sharding.ops import ops_for_mesh
+from sharding.partitioned_ops import ops_for_mesh
 
 # Excess precision off: every rounding to bf16 that the layers write (where HF rounds) really happens.
 EXACT = {"xla_allow_excess_precision": False}
@@ -144,7 +144,7 @@ def sampling_tensors(buffer: jax.Array, layout: Layout) -> SamplingTensors:
 def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array, *, layout: Layout,
             cfg: ModelConfig, mesh: Mesh, kernels: str, with_hidden: bool = False) -> tuple:
     """One step's forward: (float32 logits [R, V] of each request's last token, the updated cache); `kernels`: the
-    hot ops' implementation (qwen_jax/layers/ops.py). with_hidden (a model that speculates): also every token's
+    hot ops' implementation (qwen_jax/layers/hot_ops.py). with_hidden (a model that speculates): also every token's
     final hidden state [T, H] and the tokens [T], the MTP head's inputs (draft_step).
     buffer (packed): tokens [T] with token_source [T] (>= 0: the token is that row of the previous step's sampled
     tokens `last_tokens`, still on the device; -1: tokens[t]), the Ragged fields, sample_index [R]."""

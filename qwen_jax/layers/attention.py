@@ -1,7 +1,7 @@
 """Full causal attention over a paged KV cache: projections, q/k norm, partial RoPE, GQA, output gate.
 
 Reference math: gathers each sequence's pages into a dense context; pallas_kernels/paged_attention.py is its kernel
-(layers/ops.py switches). Never writes outside the block tables.
+(layers/hot_ops.py switches). Never writes outside the block tables.
 """
 
 import jax
@@ -83,7 +83,7 @@ def attention_layer(x: jax.Array, p: dict, cache: dict, batch: Ragged, cfg, inv_
                     attend=paged_attention, dense_op=dense, max_query_len: int | None = None
                     ) -> tuple[jax.Array, dict]:
     """x: [T, H] -> ([T, H], updated {"k", "v"} pages).
-    `attend`, `dense_op`: paged_attention and the projections' dense, or kernels with their contracts (layers/ops.py
+    `attend`, `dense_op`: paged_attention and the projections' dense, or kernels with their contracts (layers/hot_ops.py
     picks). max_query_len: a bound on every request's tokens, if the caller knows one (paged_attention's)."""
     q, k, v, *gate = _projections(x, p, ("q", "k", "v", "gate") if cfg.attn_output_gate else ("q", "k", "v"),
                                   dense_op)

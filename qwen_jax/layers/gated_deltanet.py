@@ -235,7 +235,7 @@ def gdn_layer(x: jax.Array, p: dict, cache: dict, batch: Ragged, cfg, delta_rule
               conv_op=causal_convs) -> tuple[jax.Array, dict]:
     """x: [T, H] -> ([T, H], updated {"conv_q", "conv_k", "conv_v", "ssm"} slots).
     `delta_rule_op`, `dense_op`, `conv_op`: the recurrence (`delta_rule`), the projections' dense and the convs
-    (`causal_convs`), or kernels with their contracts (layers/ops.py picks)."""
+    (`causal_convs`), or kernels with their contracts (layers/hot_ops.py picks)."""
     q, k, v, z, b, a = linears(x, tuple(p[n] for n in "qkvzba"), dense_op)  # z: [T, Hv, Dv]; b, a: [T, Hv]
     (q, k, v), convs = conv_op((q, k, v), tuple(cache[n] for n in CONVS), tuple(p[n] for n in CONVS), batch)
     out, ssm = delta_rule_op(q, k, v, a, b, p["A_log"], p["dt_bias"], cache["ssm"], batch)
@@ -250,7 +250,7 @@ def gdn_layer_verify(x: jax.Array, p: dict, cache: dict, batch: Ragged, cfg, dra
     row's tokens gives it, pending). `pending` is what `commit_verified` needs once the accepted counts are known:
     {"conv_q", "conv_k", "conv_v": the convs' inputs [T, C...] in the model dtype, "ssm": the state after each
     token [T, nv, dk, dv] float32}. The ops have the contracts of `verify_delta_rule` and `verify_causal_convs`
-    (layers/ops.py picks)."""
+    (layers/hot_ops.py picks)."""
     q, k, v, z, b, a = linears(x, tuple(p[n] for n in "qkvzba"), dense_op)
     inputs = (q, k, v)
     q, k, v = verify_conv_op(inputs, tuple(cache[n] for n in CONVS), tuple(p[n] for n in CONVS), batch)

@@ -1,6 +1,6 @@
 """SwiGLU MLP and the sparse mixture of experts (softmax top-k routing, optional shared expert), in plain jnp.
 
-Reference math (the grouped GEMM is `jax.lax.ragged_dot`): it never picks a kernel; layers/ops.py passes kernels in.
+Reference math (the grouped GEMM is `jax.lax.ragged_dot`): it never picks a kernel; layers/hot_ops.py passes kernels in.
 """
 
 import jax
@@ -88,7 +88,7 @@ def sparse_moe(x: jax.Array, p: dict, top_k: int, renormalize: bool, valid: jax.
     """Routed experts plus, when present, a shared expert scaled by sigmoid(x @ shared_expert_gate).
     valid [T]: the real tokens (None: all); padding tokens go to no expert. dense_op, route_op, experts_op: the
     projections, the routing from logits and the routed experts (these references, or kernels with their
-    contracts: layers/ops.py picks)."""
+    contracts: layers/hot_ops.py picks)."""
     shared = "shared_gate" in p
     names = ("router", "shared_gate", "shared_up", "shared_expert_gate") if shared else ("router",)
     logits, *shared_in = linears(x, tuple(p[n] for n in names), dense_op)  # the projections of x: one launch

@@ -20,9 +20,9 @@ from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.layers.attention import attention_layer
 from qwen_jax.layers.batch import Ragged
 from qwen_jax.layers.gated_deltanet import gdn_layer, gdn_layer_verify
+from qwen_jax.layers.hot_ops import Ops
 from qwen_jax.layers.mlp import swiglu_mlp
 from qwen_jax.layers.norms import rms_norm
-from qwen_jax.layers.ops import Ops
 
 F32 = jnp.float32
 
@@ -221,9 +221,9 @@ def forward(params: dict, cache: dict, tokens: jax.Array, batch: Ragged, cfg: Mo
     """Run a step's new tokens [T] (the flat ragged batch `batch`) through the model, reading and updating the
     cache entries of its requests. Returns (float32 logits of the tokens `sample_index` [N] -> [N, V], or of every
     token [T, V] when None; the new cache), and with `return_hidden` also every token's hidden state after the final
-    norm [T, H] (what the LM head reads, and the MTP head's input: models/mtp.py). `ops`: the hot ops (layers/ops.py;
-    sharding/ops.py partitions them for a mesh). The engine's step program (engine/step.py) is this, jitted. The
-    MTP head's cache entry, if any, passes through untouched.
+    norm [T, H] (what the LM head reads, and the MTP head's input: models/mtp.py). `ops`: the hot ops
+    (layers/hot_ops.py; sharding/partitioned_ops.py partitions them for a mesh). The engine's step program
+    (engine/step.py) is this, jitted. The MTP head's cache entry, if any, passes through untouched.
     draft_len > 0: speculative verify rows (each request its last token and draft_len drafts, or none), whose
     recurrent slots stay untouched; also returns each layer's pending (None for attention layers), from which
     `commit_verified_layers` writes the recurrent states once the accepted counts are known."""

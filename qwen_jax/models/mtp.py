@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
 from qwen_jax.layers.batch import Ragged
-from qwen_jax.layers.ops import Ops
+from qwen_jax.layers.hot_ops import Ops
 from qwen_jax.models.decoder import layer_call, lm_head
 
 

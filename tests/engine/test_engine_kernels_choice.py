@@ -3,7 +3,7 @@
 import logging
 
 from qwen_jax import LLM
-from qwen_jax.layers.ops import resolve_kernels
+from qwen_jax.layers.hot_ops import resolve_kernels
 
 
 def test_auto_takes_the_references_on_the_cpu_and_says_so(caplog):

@@ -20,7 +20,7 @@ from test_moe_triton import interpreted_call  # tests/kernels is on sys.path (py
 
 from qwen_jax.layers.batch import Ragged, ragged
 from qwen_jax.layers.gated_deltanet import causal_convs, verify_causal_convs
-from qwen_jax.layers.ops import ops_for
+from qwen_jax.layers.hot_ops import ops_for
 
 EXACT = {"xla_allow_excess_precision": False}  # as the engine compiles
 reference = jax.jit(causal_convs, compiler_options=EXACT)

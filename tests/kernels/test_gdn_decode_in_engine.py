@@ -9,7 +9,7 @@ import pytest
 import pallas_kernels.gdn
 import pallas_kernels.paged_attention
 import pallas_kernels.skinny_matmul
-import qwen_jax.layers.ops
+import qwen_jax.layers.hot_ops
 from qwen_jax.llm import LLM
 from qwen_jax.sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ def outputs():
             patch.setattr(pallas_kernels.paged_attention, "paged_attention", spy)
             patch.setattr(pallas_kernels.gdn, "prefill", prefill_spy)
             patch.setattr(pallas_kernels.skinny_matmul, "matmul_many", skinny_spy)
-            patch.setattr(qwen_jax.layers.ops, "MIN_K", 16)  # the built-in model's K is 64, not 512+
+            patch.setattr(qwen_jax.layers.hot_ops, "MIN_K", 16)  # the built-in model's K is 64, not 512+
             result[kernels] = llm.generate(PROMPTS, params)
             # alone, a sequence decodes one row a step: the one-row projection kernel's case
             result[kernels, "alone"] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))

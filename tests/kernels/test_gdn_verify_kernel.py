@@ -19,7 +19,7 @@ from qwen_jax.config import from_hf_dict
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.gated_deltanet import gdn_layer_verify
 from qwen_jax.layers.gated_deltanet import verify_delta_rule as reference
-from qwen_jax.layers.ops import ops_for
+from qwen_jax.layers.hot_ops import ops_for
 from qwen_jax.models.decoder import init_cache, random_params
 
 RTOL = {jnp.float32: 2e-6, jnp.bfloat16: 2e-6}  # one token's float32 math at a time, in another order; bf16 inputs

@@ -11,9 +11,9 @@ from jax import export
 from jax.extend.core import jaxprs_in_params
 
 from pallas_kernels.moe_gemm import FEW_TOKENS, few_token_moe, plan, routed_experts
+from qwen_jax.layers.hot_ops import ops_for
 from qwen_jax.layers.mlp import route, sparse_moe
 from qwen_jax.layers.mlp import routed_experts_f32 as reference
-from qwen_jax.layers.ops import ops_for
 
 
 def make_inputs(seed: int, tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype=jnp.bfloat16):

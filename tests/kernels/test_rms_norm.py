@@ -1,6 +1,6 @@
 """The one-program-a-row RMSNorm (interpret mode on CPU) against its jnp reference (the model's rms_norm): both
 weightings (Qwen3.5's float32 1 + w, LLaMA's w in the input dtype), a hidden size that is not a power of two, the
-layers' norm op (layers/ops.py) that runs it for one row only; plus its lowering to one Triton call for CUDA."""
+layers' norm op (layers/hot_ops.py) that runs it for one row only; plus its lowering to one Triton call for CUDA."""
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,8 @@ from jax import export
 
 import pallas_kernels.rms_norm as rms
 from pallas_kernels.rms_norm import rms_norm
+from qwen_jax.layers.hot_ops import norm_kernel as norm
 from qwen_jax.layers.norms import rms_norm as reference
-from qwen_jax.layers.ops import norm_kernel as norm
 
 
 def normal(seed: int, shape: tuple, dtype=jnp.bfloat16, scale: float = 1.0) -> jax.Array:

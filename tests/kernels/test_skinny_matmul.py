@@ -1,5 +1,5 @@
 """The one-row Pallas matmul (interpret mode on CPU) against its jnp reference (the layers' dense): row counts up to
-MAX_ROWS, split contractions, tiles that shrink to fit, the `dense` op of layers/ops.py that runs it (and where that
+MAX_ROWS, split contractions, tiles that shrink to fit, the `dense` op of layers/hot_ops.py that runs it (and where that
 leaves XLA's dots), shapes it refuses; plus its lowering to one Triton call for CUDA."""
 
 import jax
@@ -9,11 +9,11 @@ import pytest
 from jax import export
 
 import pallas_kernels.skinny_matmul as skinny
-import qwen_jax.layers.ops as ops
+import qwen_jax.layers.hot_ops as ops
 from pallas_kernels.skinny_matmul import MAX_ROWS, matmul, matmul_many
 from pallas_kernels.tiling import split_contraction
+from qwen_jax.layers.hot_ops import dense_kernel as dense
 from qwen_jax.layers.mlp import dense as dense_reference
-from qwen_jax.layers.ops import dense_kernel as dense
 
 
 def rel_err(x, y) -> float:

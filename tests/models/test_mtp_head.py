@@ -28,7 +28,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecod
 from qwen_jax import LLM, SamplingParams, create_engine
 from qwen_jax.config import from_hf_dict, load_config
 from qwen_jax.layers.batch import ragged
-from qwen_jax.layers.ops import ops_for
+from qwen_jax.layers.hot_ops import ops_for
 from qwen_jax.models import decoder
 from qwen_jax.models.mtp import mtp_forward, next_tokens_in_request
 from qwen_jax.weights import SafetensorsSource, WeightError, load_params

@@ -42,8 +42,8 @@ def expected_decode_collectives(cfg) -> dict[str, int]:
     """Two all-reduces per layer (mixer output projection, MLP/MoE output) + one for the vocab-split embedding
     lookup, and one all-gather for the vocab-split logits (replicated for the sampler), at every model-parallel
     size. Unpacking the inputs and picking decode tokens from the previous step's samples work on replicated arrays
-    (no collective). Attention and the delta rule run per head inside a shard_map (sharding/ops.py), so replicated
-    KV (GDN key) heads are computed whole on every device, never split and gathered."""
+    (no collective). Attention and the delta rule run per head inside a shard_map (sharding/partitioned_ops.py), so
+    replicated KV (GDN key) heads are computed whole on every device, never split and gathered."""
     return {"all-reduce": 2 * cfg.num_layers + 1, "all-gather": 1, "all-to-all": 0, "reduce-scatter": 0,
             "collective-permute": 0}
 

@@ -14,7 +14,7 @@ from qwen_jax.bench import collectives
 from qwen_jax.models import decoder
 from qwen_jax.models.mtp import mtp_forward
 from sharding import mesh, rules
-from sharding.ops import ops_for_mesh
+from sharding.partitioned_ops import ops_for_mesh
 
 
 def _run(cfg, host_params: dict, hiddens: list[np.ndarray], m) -> list[tuple[np.ndarray, np.ndarray]]:

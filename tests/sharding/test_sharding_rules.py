@@ -96,7 +96,7 @@ def test_load_params_with_place_gives_sharded_copy_of_the_checkpoint():
 def test_partitioned_ops_reject_heads_that_straddle_a_replicated_kv_head():
     """24 query heads over 3 KV heads (8 each) on 4 devices: the KV heads replicate, and a device's 6 query heads
     would need two of them; the engine refuses such a layout at start (ops_for_mesh), not in the middle of a step."""
-    from sharding.ops import ops_for_mesh
+    from sharding.partitioned_ops import ops_for_mesh
 
     cfg = dataclasses.replace(tiny_config("llama"), num_heads=24, num_kv_heads=3)
     with pytest.raises(NotImplementedError, match="24 heads split 4 ways over 3 heads"):

@@ -1,6 +1,6 @@
-"""The GDN verify ops split over a mesh's model axes (sharding/ops.py: value heads and their per-token states on their
-devices; the commit's slots with their heads) give the single-device reference's outputs and states, for value heads
-split alone and with key heads."""
+"""The GDN verify ops split over a mesh's model axes (sharding/partitioned_ops.py: value heads and their per-token
+states on their devices; the commit's slots with their heads) give the single-device reference's outputs and states,
+for value heads split alone and with key heads."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from sharding_tiny_models import tiny_config
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.gated_deltanet import commit_verified, verify_delta_rule
 from sharding import mesh
-from sharding.ops import ops_for_mesh
+from sharding.partitioned_ops import ops_for_mesh
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [2, 8])  # key heads split alongside (2) or replicated (8)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
-from qwen_jax.layers.ops import Ops, ops_for
+from qwen_jax.layers.hot_ops import Ops, ops_for
 from sharding.mesh import MODEL_AXES, model_parallel_size
 from sharding.moe import expert_parallel_moe
 from sharding.rules import entry_axes, logical_to_spec
@@ -135,7 +135,7 @@ def head_parallel_commit(cfg: ModelConfig, mesh: Mesh, commit: Callable) -> Call
 
 def ops_for_mesh(cfg: ModelConfig, mesh: Mesh, kernels: str) -> Ops:
     """A mesh's ops: ops_for(kernels) when one device holds the whole model; else that bundle as XLA's
-    partitioner runs it (layers/ops.py keeps the projections, norms and convs on XLA, which splits a dot by the
+    partitioner runs it (layers/hot_ops.py keeps the projections, norms and convs on XLA, which splits a dot by the
     weights' shardings but cannot split a Pallas call), with attention, the delta rule (its verify form and the
     verify commit) and the MoE's experts (sharding/moe.py) each split over the model axes here."""
     if model_parallel_size(mesh) == 1:

@@ -4,8 +4,8 @@ its jnp reference here in qwen_jax/layers/: by backend and by shape. Layers rece
 kernels="reference" gives the references everywhere; "auto" is "gpu" on a GPU backend, "reference" elsewhere.
 kernels="gpu" gives the kernels, except where one was measured no faster than XLA (the shape rules below: the
 one-row projection and norm kernels), where jax-triton is missing (the native Triton conv), or where the ops run
-under XLA's partitioner (`partitioned`: it cannot split a Pallas call; sharding/ops.py splits the others per device
-itself).
+under XLA's partitioner (`partitioned`: it cannot split a Pallas call; sharding/partitioned_ops.py splits the others
+per device itself).
 
 Each op has one contract, shared by its reference and its kernel; `batch` is the step's flat ragged batch
 (qwen_jax.layers.batch.Ragged) and T its token count:
