@@ -271,7 +271,8 @@ class Compiler:
                         jobs.append(Job(f"sampler[{requests} rows, path {path}, top {top}]", ("sampler", requests),
                                         *self._sampler(layout, path, top)))
         for rows in self.row_counts(full):
-            for kind in ("restore", "save", "penalties") if r.has_snapshots else ("penalties",):
+            row_ops = (step.RestoreSnapshots, step.SaveSnapshots, step.ResetPenalties)
+            for kind in [op.KIND for op in row_ops if r.has_snapshots or op is step.ResetPenalties]:
                 if (kind, rows) not in r.row_programs:
                     jobs.append(Job(f"{kind}[{rows} rows]", ("rows", rows), *self._row_program(kind, rows)))
         return jobs
@@ -638,18 +639,17 @@ class Compiler:
         buffer, layout = self.step_inputs(size)
         sampling, sampling_layout = self.padding_sampling(self.requests(size))
         execute = r.executor
-        jax.block_until_ready(execute([("step", buffer, layout, sampling, sampling_layout, 0, 0,
-                                        bool(r.num_speculative_tokens), False)]))
+        batch = (buffer, layout, sampling, sampling_layout, 0, 0)
+        jax.block_until_ready(execute([step.Forward(*batch, head=bool(r.num_speculative_tokens), behind=False)]))
         if size in r.decoders:
-            jax.block_until_ready(execute([("decode_steps", buffer, layout, sampling, sampling_layout, 0, 0,
-                                            r.decode_steps, False)]))
+            jax.block_until_ready(execute([step.DecodeSteps(*batch, steps=r.decode_steps, behind=False)]))
         # a model that speculates: its verify programs, and each kind of step caught up on one (padding: no row is
         # behind, so nothing moves)
         for k, rounds in self.verify_variants(size) if r.num_speculative_tokens else ():
-            jax.block_until_ready(execute([("verify", *self.verify_inputs(size), sampling, sampling_layout, 0, 0, k,
-                                            rounds, True)]))
+            jax.block_until_ready(execute([step.Verify(*self.verify_inputs(size), sampling, sampling_layout, 0, 0,
+                                                       draft_len=k, rounds=rounds, behind=True)]))
         if r.num_speculative_tokens:
-            jax.block_until_ready(execute([("step", buffer, layout, sampling, sampling_layout, 0, 0, True, True)]))
+            jax.block_until_ready(execute([step.Forward(*batch, head=True, behind=True)]))
         if size == min(s for s in r.token_buckets if self.requests(s) == self.requests(size)):
             self._run_samplers(self.requests(size))
 
@@ -693,7 +693,7 @@ class Compiler:
         if r.executor == r.execute:  # one host: first runs while the rest compiles
             self.compile(sizes, run=True, part=part, full=full)
         else:  # other hosts compile too, then every host runs each program in the same order
-            r.executor([("compile", sizes)])
+            r.executor([step.CompileBuckets(sizes)])
             self.check_memory()
             for size in sizes:
                 self.run_padding(size)
@@ -702,7 +702,7 @@ class Compiler:
         longest = r.table_width * r.block_size
         for n in self.row_counts(full):
             if r.has_snapshots:
-                r.executor([("restore", *r.pairs([(0, 0)] * n)), ("save", *r.pairs([(0, 0)] * n))])
-            r.executor([("penalties", np.full(n, r.num_slots, np.int32), np.zeros((n, longest), np.int32),
-                         np.zeros(n, np.int32), np.zeros(n, np.int32))])
+                r.executor([step.RestoreSnapshots(*r.pairs([(0, 0)] * n)), step.SaveSnapshots(*r.pairs([(0, 0)] * n))])
+            r.executor([step.ResetPenalties(np.full(n, r.num_slots, np.int32), np.zeros((n, longest), np.int32),
+                                            np.zeros(n, np.int32), np.zeros(n, np.int32))])
         jax.block_until_ready((r.cache, r.penalty_counts))

@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from qwen_jax.engine import step
+
 # A follower's wait for the next step is cut into polls this long (an idle server sends nothing for hours; a
 # short poll keeps the follower responsive to signals).
 POLL_MS = 1000
@@ -39,8 +41,9 @@ _engine_ids = itertools.count()
 
 
 def pack(tree) -> bytes:
-    """An op list (nested lists/tuples/dicts of numpy arrays, ints, floats, strings, None) as bytes: a JSON header
-    in which each array is {"a": i}, then the arrays' raw bytes. No pickle: a follower runs no received code."""
+    """Nested lists/tuples/dicts of numpy arrays, ints, floats, strings and None (a step's ops as step.to_wire
+    tuples, or a step's outputs) as bytes: a JSON header in which each array is {"a": i}, then the arrays' raw
+    bytes. No pickle: a follower runs no received code."""
     arrays: list[np.ndarray] = []
 
     def encode(x):
@@ -108,9 +111,9 @@ class StepChannel:
     def _key(self, host: int, n: int) -> str:
         return f"{self._prefix}/host{host}/{n}"
 
-    def publish(self, ops: list) -> None:
+    def publish(self, ops: list[step.Op]) -> None:
         """Host 0: send one step's ops to every follower (before running them itself)."""
-        payload = pack(ops)
+        payload = pack([step.to_wire(op) for op in ops])
         with self._lock:
             if self._stopped:
                 raise RuntimeError("this multi-host engine was shut down: its followers have left")
@@ -141,7 +144,7 @@ class StepChannel:
                 if "DEADLINE_EXCEEDED" not in str(exc):
                     raise
 
-    def receive(self) -> list | None:
+    def receive(self) -> list[step.Op] | None:
         """Host > 0: the next step's ops, waiting for as long as host 0 lives; None once host 0 stopped."""
         if self._next:  # the previous step's key, now that its work is dispatched (off the critical path)
             self._client.key_value_delete(self._key(self.host, self._next - 1))
@@ -153,7 +156,7 @@ class StepChannel:
             return None
         self.messages += 1
         self.bytes += len(payload)
-        return unpack(payload)
+        return [step.from_wire(item) for item in unpack(payload)]
 
     def reply(self, outputs: list) -> None:
         """The replying follower: the outputs (host data) of the step it received last."""

@@ -228,16 +228,12 @@ class ModelRunner:
                 following[i] = r.seq.token_ids(end, end + 1)[0]
         return following
 
-    def prepare(self, rows: list[Row], head: bool = False, in_flight: list[Row] = ()) -> list:
-        """The device work of one planned step as host data, an op list run in order by the executor:
-        ("restore", src, dst) copies snapshots into state slots; ("penalties", rows, ids, num_prompt, num_tokens)
-        resets the penalty counts of sequences entering the batch; ("step", inputs, input layout, sampling,
-        sampling layout, cut path, top logprobs, head, behind) runs the forward and the sampler (and,
-        `head`, the MTP head: StepPlan.head; `behind`: some row catches up on the verify program `in_flight`,
-        step.stage_behind); ("decode_steps", ..., steps, behind) several decode steps; ("verify", ..., drafts a
-        row, rounds, behind) speculative decoding's rounds; ("save", src, dst) copies state slots into snapshots.
-        Numpy arrays and plain values only, so a multi-host leader can send the list to the other hosts. Also
-        records, for each sampling row, where its token will be (seq.sample_row)."""
+    def prepare(self, rows: list[Row], head: bool = False, in_flight: list[Row] = ()) -> list[step.Op]:
+        """The device work of one planned step as host data, the step's ops (step.Op) run in order by the executor:
+        snapshot restores and penalty resets of the rows entering the batch, then the forward (with the MTP head
+        when `head`: StepPlan.head), several decode steps, or verify rounds, then snapshot saves. `behind`: some
+        row catches up on the verify program `in_flight` (step.stage_behind). Also records, for each sampling row,
+        where its token will be (seq.sample_row)."""
         verifying = self._verifying(in_flight)
         buffer, layout = self.step_inputs(rows, verifying)
         behind = any(id(r.seq) in verifying for r in rows)
@@ -258,22 +254,20 @@ class ModelRunner:
         ops = []
         restore = [(r.restore_snapshot, r.seq.slot) for r in rows if r.restore_snapshot is not None]
         if restore and self.has_snapshots:
-            ops.append(("restore", *self.pairs(restore)))
+            ops.append(step.RestoreSnapshots(*self.pairs(restore)))
         entering = [r.seq for r in rows if r.admitted and r.seq.params.has_penalties]
         if entering:
-            ops.append(("penalties", *self._penalty_rows(entering)))
+            ops.append(step.ResetPenalties(*self._penalty_rows(entering)))
+        batch = (buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size), top)
         if rows and rows[0].drafts:  # verify rows only (Scheduler._speculate): no penalties, admissions, snapshots
-            return [("verify", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size),
-                     top, rows[0].drafts, steps, behind)]
+            return [step.Verify(*batch, draft_len=rows[0].drafts, rounds=steps, behind=behind)]
         if steps > 1:  # decoding rows only (Scheduler._multi_step): no penalties, admissions or snapshots
-            ops.append(("decode_steps", buffer, layout, sampling_buffer, sampling_layout,
-                        cut_path(sampling, self.vocab_size), top, steps, behind))
+            ops.append(step.DecodeSteps(*batch, steps=steps, behind=behind))
             return ops
-        ops.append(("step", buffer, layout, sampling_buffer, sampling_layout, cut_path(sampling, self.vocab_size), top,
-                    head and bool(self.num_speculative_tokens), behind))
+        ops.append(step.Forward(*batch, head=head and bool(self.num_speculative_tokens), behind=behind))
         save = [(r.seq.slot, r.save_snapshot) for r in rows if r.save_snapshot is not None]
         if save and self.has_snapshots:
-            ops.append(("save", *self.pairs(save)))
+            ops.append(step.SaveSnapshots(*self.pairs(save)))
         return ops
 
     def _token_masks(self, rows: list[Row]) -> np.ndarray:
@@ -327,54 +321,57 @@ class ModelRunner:
         return src, dst
 
     # ---- device work -----------------------------------------------------------------------------------------
-    def execute(self, ops: list) -> SampleOutput:
+    def execute(self, ops: list[step.Op]) -> SampleOutput:
         """Issue one step's ops (see prepare) in order, without waiting for them: the step's SampleOutput, on the
         devices, its copy to the host started. The only place a step touches the devices; on several hosts every
         host runs the same list."""
         self.allocate()
         out = None
-        for kind, *args in ops:
-            if kind in ("restore", "save", "penalties"):
-                program = self.row_programs.get((kind, len(args[0]))) or self._row_program(kind)
-                if kind == "restore":
-                    self.cache = program(self.cache, self.snapshots, *self.put(tuple(args)))
-                elif kind == "save":
-                    self.snapshots = program(self.cache, self.snapshots, *self.put(tuple(args)))
-                else:
-                    self.penalty_counts = program(self.penalty_counts, *self.put(tuple(args)))
-            elif kind == "step":
-                buffer, layout, sampling, sampling_layout, path, top, head, behind = args
-                layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
-                forward = self._forward(layout)
-                sample = self._sampler(sampling_layout, path, top)
-                inputs, sampling = self._stage(layout, buffer, sampling, sampling_layout, behind)
-                logits, self.cache, *head_inputs = forward(self.params, self.cache, self.last_tokens, inputs)
-                out, self.last_tokens, self.penalty_counts = sample(logits, sampling, self.last_tokens,
-                                                                    self.penalty_counts)
-                if head:  # a model that speculates: the MTP head's pages and first drafts
-                    self.cache, self.drafts = self._drafter(layout)(self.params, self.cache, *head_inputs,
-                                                                    self.last_tokens, self.drafts, inputs)
-            elif kind == "decode_steps":
-                buffer, layout, sampling, sampling_layout, path, top, steps, behind = args
-                layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
-                program = self._decode_program(layout, sampling_layout, path, top, steps)
-                inputs, sampling = self._stage(layout, buffer, sampling, sampling_layout, behind)
-                out, self.cache, self.last_tokens = program(self.params, self.cache, self.last_tokens, inputs, sampling)
-            elif kind == "verify":
-                buffer, layout, sampling, sampling_layout, path, top, draft_len, rounds, behind = args
-                layout, sampling_layout = step.as_layout(layout), step.as_layout(sampling_layout)
-                inputs, sampling = self._stage(layout, buffer, sampling, sampling_layout, behind)
-                program = self._verifier(layout, sampling_layout, path, top, draft_len, rounds)
-                out, self.cache, self.last_tokens, self.drafts, self.emitted = program(
-                    self.params, self.cache, self.last_tokens, self.drafts, self.emitted, inputs, sampling)
-            elif kind == "compile":  # every program of these token buckets (other hosts compile what host 0 does)
-                self.compiler.compile(args[0])
-            else:
-                raise ValueError(f"unknown step op {kind!r}")
+        for op in ops:
+            match op:
+                case step.RestoreSnapshots(src=src, dst=dst):
+                    program = self._row_program_for(op, len(src))
+                    self.cache = program(self.cache, self.snapshots, *self.put((src, dst)))
+                case step.SaveSnapshots(src=src, dst=dst):
+                    program = self._row_program_for(op, len(src))
+                    self.snapshots = program(self.cache, self.snapshots, *self.put((src, dst)))
+                case step.ResetPenalties():
+                    program = self._row_program_for(op, len(op.rows))
+                    self.penalty_counts = program(self.penalty_counts,
+                                                  *self.put((op.rows, op.ids, op.num_prompt, op.num_tokens)))
+                case step.Forward():
+                    forward = self._forward(op.layout)
+                    sample = self._sampler(op.sampling_layout, op.path, op.top)
+                    inputs, sampling = self._stage(op.layout, op.inputs, op.sampling, op.sampling_layout, op.behind)
+                    logits, self.cache, *head_inputs = forward(self.params, self.cache, self.last_tokens, inputs)
+                    out, self.last_tokens, self.penalty_counts = sample(logits, sampling, self.last_tokens,
+                                                                        self.penalty_counts)
+                    if op.head:  # a model that speculates: the MTP head's pages and first drafts
+                        self.cache, self.drafts = self._drafter(op.layout)(self.params, self.cache, *head_inputs,
+                                                                           self.last_tokens, self.drafts, inputs)
+                case step.DecodeSteps():
+                    program = self._decode_program(op.layout, op.sampling_layout, op.path, op.top, op.steps)
+                    inputs, sampling = self._stage(op.layout, op.inputs, op.sampling, op.sampling_layout, op.behind)
+                    out, self.cache, self.last_tokens = program(self.params, self.cache, self.last_tokens, inputs,
+                                                                sampling)
+                case step.Verify():
+                    inputs, sampling = self._stage(op.layout, op.inputs, op.sampling, op.sampling_layout, op.behind)
+                    program = self._verifier(op.layout, op.sampling_layout, op.path, op.top, op.draft_len,
+                                             op.rounds)
+                    out, self.cache, self.last_tokens, self.drafts, self.emitted = program(
+                        self.params, self.cache, self.last_tokens, self.drafts, self.emitted, inputs, sampling)
+                case step.CompileBuckets():
+                    self.compiler.compile(op.sizes)
+                case _:
+                    raise ValueError(f"unknown step op {op!r}")
         if out is not None:
             for array in out:
                 array.copy_to_host_async()
         return out
+
+    def _row_program_for(self, op: step.Op, rows: int):
+        """The snapshot copy or penalty reset of `rows` entries: compiled ahead (row_programs), else jitted."""
+        return self.row_programs.get((op.KIND, rows)) or self._row_program(op.KIND)
 
     def _stage(self, layout: step.Layout, buffer, sampling, sampling_layout: step.Layout,
                behind: bool) -> tuple[jax.Array, jax.Array]:

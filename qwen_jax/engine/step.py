@@ -7,9 +7,10 @@ int32 buffer (one transfer). Never decides who runs (the scheduler does) and nev
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,111 @@ def as_layout(layout) -> Layout:
     """A Layout again after a trip through a multi-host op list (JSON turns its tuples into lists)."""
     entries, size = layout
     return Layout(tuple((name, dtype, tuple(shape), offset) for name, dtype, shape, offset in entries), size)
+
+
+# ---- the ops of a step -----------------------------------------------------------------------------------------
+# What ModelRunner.prepare writes and ModelRunner.execute runs, in order: host data only (numpy arrays and plain
+# values). A multi-host leader sends them to the other hosts as `to_wire` tuples (kind, *fields).
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The fields of an op that runs the model over a step's rows: the packed inputs and sampling tensors with their
+    layouts, the sampler's cut path (sampler.cut_path) and top-logprobs width, and `behind`: some row catches up on
+    the verify program before it (stage_behind)."""
+
+    inputs: np.ndarray
+    layout: Layout
+    sampling: np.ndarray
+    sampling_layout: Layout
+    path: int
+    top: int
+
+    def __post_init__(self):  # layouts come back from the wire as lists
+        object.__setattr__(self, "layout", as_layout(self.layout))
+        object.__setattr__(self, "sampling_layout", as_layout(self.sampling_layout))
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward(_Batch):
+    """One forward and the sampler; `head`: also the MTP head's pages and first drafts (StepPlan.head)."""
+
+    head: bool
+    behind: bool
+    KIND: ClassVar[str] = "step"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSteps(_Batch):
+    """`steps` decode steps of every row in one program."""
+
+    steps: int
+    behind: bool
+    KIND: ClassVar[str] = "decode_steps"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verify(_Batch):
+    """Speculative decoding's `rounds` verify rounds of `draft_len` drafts a row in one program."""
+
+    draft_len: int
+    rounds: int
+    behind: bool
+    KIND: ClassVar[str] = "verify"
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreSnapshots:
+    """Copy prefix-cache snapshots `src` into state slots `dst` (padding pairs copy into the sinks)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    KIND: ClassVar[str] = "restore"
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveSnapshots:
+    """Copy state slots `src` into prefix-cache snapshots `dst`."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    KIND: ClassVar[str] = "save"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResetPenalties:
+    """The penalty counts of sequences entering the batch, from their tokens so far (padding rows name none)."""
+
+    rows: np.ndarray
+    ids: np.ndarray
+    num_prompt: np.ndarray
+    num_tokens: np.ndarray
+    KIND: ClassVar[str] = "penalties"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileBuckets:
+    """Compile every program of these token buckets (other hosts compile what host 0 does)."""
+
+    sizes: list[int]
+    KIND: ClassVar[str] = "compile"
+
+
+Op = Forward | DecodeSteps | Verify | RestoreSnapshots | SaveSnapshots | ResetPenalties | CompileBuckets
+_OPS = {cls.KIND: cls for cls in (Forward, DecodeSteps, Verify, RestoreSnapshots, SaveSnapshots, ResetPenalties,
+                                  CompileBuckets)}
+
+
+def to_wire(op: Op) -> tuple:
+    """An op as the other hosts receive it: (kind, *fields in order)."""
+    return (op.KIND, *(getattr(op, f.name) for f in dataclasses.fields(op)))
+
+
+def from_wire(item: list | tuple) -> Op:
+    """to_wire's inverse (after multihost.pack / unpack)."""
+    kind, *fields = item
+    if kind not in _OPS:
+        raise ValueError(f"unknown step op {kind!r}")
+    return _OPS[kind](*fields)
 
 
 def unpack(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:

@@ -41,8 +41,8 @@ class Trace:
 
         def traced_execute(ops):
             out = execute(ops)
-            _, buffer, layout, *_ = next(op for op in ops if op[0] == "step")
-            source = programs.unpack(np.asarray(buffer), programs.as_layout(layout))["token_source"]
+            forward = next(op for op in ops if isinstance(op, programs.Forward))
+            source = programs.unpack(np.asarray(forward.inputs), forward.layout)["token_source"]
             self.issued.append(Issued({rid: len(seq.output_token_ids) for rid, seq in engine.seqs.items()},
                                       int((source >= 0).sum())))
             self.events.append(("issue", len(self.outs)))

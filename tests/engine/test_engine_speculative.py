@@ -258,7 +258,7 @@ def test_verify_programs_are_issued_before_the_one_before_is_read_back(plain, hy
 
     def logged_execute(ops):
         out = execute(ops)
-        events.append(("issue", ops[-1][0], ops[-1][-1], id(out)))
+        events.append(("issue", ops[-1].KIND, getattr(ops[-1], "behind", False), id(out)))
         return out
 
     def logged_fetch(out):

@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import numpy as np
+import pytest
 from sharding_hosts import HERE, ROOT, free_port, host_env
 from sharding_serving_worker import DRIVE_ISSUED, DRIVE_STEPS, ENGINE_ARGS, drive, drive_replicas
 
@@ -46,20 +47,29 @@ def _failure(procs: list[subprocess.Popen], logs: list) -> str:
         f"--- host {i}:\n{log.read_text(errors='replace')[-2500:]}" for i, log in enumerate(logs))
 
 
-def test_op_lists_round_trip_through_bytes():
-    """A step's op list (as ModelRunner.prepare writes it) comes back with its arrays and values, and its layouts
-    (JSON lists after the trip) become the same Layouts again."""
+def test_a_steps_ops_round_trip_through_the_wire():
+    """A step's ops (as ModelRunner.prepare writes them) go to the other hosts as (kind, *fields) tuples packed into
+    bytes, and come back as the same typed ops: their arrays, values and layouts (JSON lists on the wire)."""
     buffer, layout = step.pack({"tokens": np.arange(6, dtype=np.int32), "valid": np.array([True, False])})
     sampling, sampling_layout = step.pack({"temperature": np.array([0.5, 0.0], np.float32),
                                            "seeds": np.array([7, 1], np.uint32)})
-    ops = [("restore", np.array([3, 0], np.int32), np.array([1, 0], np.int32)),
-           ("step", buffer, layout, sampling, sampling_layout, 1, 20, True, False),
-           ("save", np.array([1], np.int32), np.array([2], np.int32))]
-    back = multihost.unpack(multihost.pack(ops))
-    assert [op[0] for op in back] == ["restore", "step", "save"] and back[1][5:] == [1, 20, True, False]
-    assert step.as_layout(back[1][2]) == layout and step.as_layout(back[1][4]) == sampling_layout
-    for got, want in zip(_leaves(back), _leaves(ops), strict=True):
+    ops = [step.RestoreSnapshots(np.array([3, 0], np.int32), np.array([1, 0], np.int32)),
+           step.Forward(buffer, layout, sampling, sampling_layout, 1, 20, head=True, behind=False),
+           step.SaveSnapshots(np.array([1], np.int32), np.array([2], np.int32)),
+           step.CompileBuckets([1, 64])]
+    wire = [step.to_wire(op) for op in ops]
+    assert [item[0] for item in wire] == ["restore", "step", "save", "compile"]
+    assert wire[1][5:] == (1, 20, True, False)  # kind, inputs, layout, sampling, sampling layout, then these
+    back = [step.from_wire(item) for item in multihost.unpack(multihost.pack(wire))]
+    assert [type(op) for op in back] == [type(op) for op in ops]
+    forward = back[1]
+    assert (forward.layout, forward.sampling_layout) == (layout, sampling_layout)
+    assert (forward.path, forward.top, forward.head, forward.behind) == (1, 20, True, False)
+    assert back[3].sizes == [1, 64]
+    for got, want in zip(_leaves(wire), _leaves([step.to_wire(op) for op in back]), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+    with pytest.raises(ValueError, match="unknown step op 'jump'"):
+        step.from_wire(["jump", 1])
 
 
 def _leaves(tree) -> list[np.ndarray]:
