@@ -19,7 +19,7 @@ _PUBLIC = {
     "LLM": "qwen_jax.llm", "AsyncLLM": "qwen_jax.llm", "EngineDead": "qwen_jax.llm",
     "SamplingParams": "qwen_jax.sampling_params", "StructuredOutputsParams": "qwen_jax.sampling_params",
     "RequestOutput": "qwen_jax.outputs", "RequestFailed": "qwen_jax.outputs", "TokenLogprob": "qwen_jax.outputs",
-    "create_engine": "qwen_jax.engine.skeleton",
+    "create_engine": "qwen_jax.engine.eval_adapter",
     "ENGINE_ARGS": "qwen_jax.engine.core", "LOAD_FORMATS": "qwen_jax.engine.core", "EngineCore": "qwen_jax.engine.core",
     "ModelNotFound": "qwen_jax.engine.model_files", "resolve_path": "qwen_jax.engine.model_files",
     "read_model_config": "qwen_jax.engine.model_files", "sampling_defaults": "qwen_jax.engine.model_files",

@@ -360,21 +360,71 @@ def resolve_mtp(cfg: ModelConfig, source: TensorSource) -> ModelConfig:
     return cfg
 
 
-def open_checkpoint(path: str) -> tuple[dict, TensorSource]:
-    """(config dict, tensor source) for an HF directory, a native `model.pt` directory, or a llama2.c `.bin`."""
-    if os.path.isfile(path) and path.endswith(".bin"):
-        config, state = read_llama2c(path)
-        return config, DictSource(state)
+# Shape fields a given config must agree on with a llama2.c header.
+_LLAMA2C_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads")
+
+
+def open_checkpoint(path: str, config: dict | None = None) -> tuple[dict, TensorSource]:
+    """(config dict, tensor source) of a checkpoint: a directory of HF safetensors (sharded, with their index) or
+    of a native `model.pt`, or a llama2.c `.bin` (the file, or the one a directory holds). `config`: the model's
+    config when the caller has one: a directory then needs no config.json, and a llama2.c header must agree with
+    its shapes (the config's dtype is kept)."""
+    if not os.path.exists(path):
+        raise WeightError(f"{path} does not exist")
+    llama2c = _llama2c_file(path)
+    if llama2c is not None:
+        file_config, state = read_llama2c(llama2c)
+        if config is not None:
+            wrong = [k for k in _LLAMA2C_FIELDS if k in config and config[k] != file_config[k]]
+            if wrong:
+                raise WeightError(f"{llama2c} does not match model_config: " + ", ".join(
+                    f"{k} is {file_config[k]} in the file, {config[k]} in the config" for k in wrong))
+            dtype = config.get("torch_dtype") or config.get("dtype")
+            file_config = {**file_config, **({"torch_dtype": dtype} if dtype else {})}
+        return file_config, DictSource(state)
     if not os.path.isdir(path):
         raise WeightError(f"{path} is neither a model directory nor a llama2.c .bin file")
-    config_file = os.path.join(path, "config.json")
-    if not os.path.exists(config_file):
-        raise WeightError(f"{path} has no config.json")
-    with open(config_file) as f:
-        config = json.load(f)
+    if config is None:
+        config_file = os.path.join(path, "config.json")
+        if not os.path.exists(config_file):
+            raise WeightError(f"{path} has no config.json")
+        with open(config_file) as f:
+            config = json.load(f)
     if os.path.exists(os.path.join(path, "model.pt")):
         return config, TorchFileSource(os.path.join(path, "model.pt"))
-    return config, SafetensorsSource(path)
+    if any(f.endswith(".safetensors") for f in os.listdir(path)):
+        return config, SafetensorsSource(path)
+    raise WeightError(f"no weights in {path}: expected *.safetensors, model.pt or a llama2.c .bin")
+
+
+def _llama2c_file(path: str) -> str | None:
+    """The llama2.c checkpoint `path` is or holds (a directory with safetensors or model.pt is never one)."""
+    if os.path.isfile(path):
+        return path if path.endswith(".bin") else None
+    files = os.listdir(path)
+    if any(f.endswith(".safetensors") or f == "model.pt" for f in files):
+        return None
+    models = [os.path.join(path, f) for f in sorted(files) if f.endswith(".bin")]
+    models = [file for file in models if _is_llama2c(file)]
+    if len(models) > 1:
+        raise WeightError(f"{path} holds several llama2.c checkpoints ({', '.join(models)}); pass one file")
+    return models[0] if models else None
+
+
+def _is_llama2c(path: str) -> bool:
+    """True when the file size is exactly what its 7-int llama2.c header promises (tokenizer .bin files are not)."""
+    with open(path, "rb") as f:
+        header = f.read(28)
+    if len(header) < 28:
+        return False
+    dim, hidden, layers, heads, kv_heads, vocab, seq_len = struct.unpack("<7i", header)
+    if min(dim, hidden, layers, heads, kv_heads, seq_len) <= 0 or dim % heads:
+        return False
+    head = dim // heads
+    floats = (abs(vocab) * dim + layers * (2 * dim + 2 * dim * dim + 2 * kv_heads * head * dim + 3 * dim * hidden)
+              + dim + seq_len * head + (abs(vocab) * dim if vocab < 0 else 0))
+    return os.path.getsize(path) == 28 + 4 * floats
 
 
 def dummy_params(cfg: ModelConfig, seed: int = 0, shardings: dict | None = None) -> dict:

@@ -1,6 +1,6 @@
 """Kernel parity on random weights: greedy decoding with kernels="gpu" against kernels="reference", both engines in
 one process over one set of random weights (`dummy_params`), free-running and teacher-forced, as JSON. The engines
-are create_engine's (engine/skeleton.py): the served forward program (engine/step.py) over the same flat ragged
+are create_engine's (engine/eval_adapter.py): the served forward program (engine/step.py) over the same flat ragged
 batches, with each step's full logits in hand, which the serving engine never hands out.
 
 Random weights give near-uniform logits, so free-running greedy tokens part at near-ties; the teacher-forced run
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen_jax.config import load_config
-from qwen_jax.engine.skeleton import Engine
+from qwen_jax.engine.eval_adapter import Engine
 from qwen_jax.models.decoder import RESIDUAL_WRITERS, param_names, random_params
 from qwen_jax.weights import dummy_params
 

@@ -1,6 +1,7 @@
-"""The engine-evaluation adapter: `create_engine` loads a checkpoint and serves prefill / decode / remove of named
-requests over the paged KV cache and recurrent-state slots, through the engine's own step program (engine/step.py)
-on flat ragged batches.
+"""The engine-evaluation adapter: `create_engine` loads a checkpoint (weights.open_checkpoint) and serves prefill /
+decode / remove of named requests with the engine's own parts: its forward program (engine/step.py) on flat ragged
+batches, its block and slot pools (engine/memory.py) and its cache layout (sharding/rules.py). It keeps only which
+request holds which blocks and slot, and hands the last tokens' logits back.
 
 No scheduling, sampling or sharding here, and never a host copy of the logits when the caller hands in device tensors.
 """
@@ -8,8 +9,6 @@ No scheduling, sampling or sharding here, and never a host copy of the logits wh
 from __future__ import annotations
 
 import math
-import os
-import struct
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -17,30 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen_jax.config import ModelConfig, from_hf_dict, from_native_dict
+from qwen_jax.config import ModelConfig, from_hf_dict
 from qwen_jax.engine import buckets, step
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.layers.batch import ragged
 from qwen_jax.layers.hot_ops import resolve_kernels
-from qwen_jax.weights import (
-    DictSource,
-    SafetensorsSource,
-    TensorSource,
-    TorchFileSource,
-    WeightError,
-    dummy_params,
-    load_params,
-    open_checkpoint,
-    read_llama2c,
-    resolve_mtp,
-)
+from qwen_jax.weights import dummy_params, load_params, open_checkpoint, resolve_mtp
 from sharding import rules
 from sharding.mesh import make_mesh
 
 _MIN_TOKENS_BUCKET = 16
-# Shape fields a native config must agree on with a llama2.c header.
-_LLAMA2C_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads")
 
 
 @dataclass
@@ -207,61 +192,6 @@ def _resolve_device(device: str) -> jax.Device:
     raise ValueError(f"unknown device {device!r}: use 'cuda', 'cpu' or 'auto'")
 
 
-def _is_llama2c(path: str) -> bool:
-    """True when the file size is exactly what its 7-int llama2.c header promises (tokenizer .bin files are not)."""
-    with open(path, "rb") as f:
-        header = f.read(28)
-    if len(header) < 28:
-        return False
-    dim, hidden, layers, heads, kv_heads, vocab, seq_len = struct.unpack("<7i", header)
-    if min(dim, hidden, layers, heads, kv_heads, seq_len) <= 0 or dim % heads:
-        return False
-    head = dim // heads
-    floats = (abs(vocab) * dim + layers * (2 * dim + 2 * dim * dim + 2 * kv_heads * head * dim + 3 * dim * hidden)
-              + dim + seq_len * head + (abs(vocab) * dim if vocab < 0 else 0))
-    return os.path.getsize(path) == 28 + 4 * floats
-
-
-def _llama2c_file(weight_dir: str) -> str | None:
-    """The llama2.c checkpoint `weight_dir` is or holds (a dir with safetensors or model.pt is never one)."""
-    if os.path.isfile(weight_dir):
-        return weight_dir if weight_dir.endswith(".bin") else None
-    files = os.listdir(weight_dir)
-    if any(f.endswith(".safetensors") or f == "model.pt" for f in files):
-        return None
-    models = [os.path.join(weight_dir, f) for f in sorted(files) if f.endswith(".bin")]
-    models = [path for path in models if _is_llama2c(path)]
-    if len(models) > 1:
-        raise WeightError(f"{weight_dir} holds several llama2.c checkpoints ({', '.join(models)}); pass one file")
-    return models[0] if models else None
-
-
-def _open_weights(model_config: dict | None, weight_dir: str) -> tuple[ModelConfig, TensorSource]:
-    """(config, tensor source): the config comes from `model_config` when given, else from the checkpoint."""
-    if not os.path.exists(weight_dir):
-        raise WeightError(f"weight_dir {weight_dir} does not exist")
-    llama2c = _llama2c_file(weight_dir)
-    if llama2c is not None:
-        file_config, state = read_llama2c(llama2c)
-        if model_config is not None:
-            wrong = [k for k in _LLAMA2C_FIELDS if k in model_config and model_config[k] != file_config[k]]
-            if wrong:
-                raise WeightError(f"{llama2c} does not match model_config: " + ", ".join(
-                    f"{k} is {file_config[k]} in the file, {model_config[k]} in the config" for k in wrong))
-            dtype = model_config.get("torch_dtype") or model_config.get("dtype")
-            file_config = {**file_config, **({"torch_dtype": dtype} if dtype else {})}
-        return from_native_dict(file_config), DictSource(state)
-    if model_config is None:
-        config, source = open_checkpoint(weight_dir)
-        return from_hf_dict(config), source
-    cfg = from_hf_dict(model_config)
-    if os.path.isdir(weight_dir) and os.path.exists(os.path.join(weight_dir, "model.pt")):
-        return cfg, TorchFileSource(os.path.join(weight_dir, "model.pt"))
-    if os.path.isdir(weight_dir) and any(f.endswith(".safetensors") for f in os.listdir(weight_dir)):
-        return cfg, SafetensorsSource(weight_dir)
-    raise WeightError(f"no weights in {weight_dir}: expected *.safetensors, model.pt or a llama2.c .bin")
-
-
 def create_engine(model_config: dict | None, weight_dir: str | None, device: str = "cuda", load_format: str = "auto",
                   seed: int = 0, **engine_kwargs) -> Engine:
     """Load `weight_dir` (HF safetensors dir, a dir with the native `model.pt`, or a llama2.c `.bin` / a dir
@@ -278,7 +208,7 @@ def create_engine(model_config: dict | None, weight_dir: str | None, device: str
             return Engine(cfg, dummy_params(cfg, seed), jax_device, **engine_kwargs)
     if load_format != "auto":
         raise ValueError(f"load_format {load_format!r}: expected 'auto' or 'dummy'")
-    cfg, source = _open_weights(model_config, weight_dir)
-    cfg = resolve_mtp(cfg, source)
+    config, source = open_checkpoint(weight_dir, model_config)
+    cfg = resolve_mtp(from_hf_dict(config), source)
     params = load_params(cfg, source, place=lambda path, a: jax.device_put(a, jax_device))
     return Engine(cfg, params, jax_device, **engine_kwargs)
