@@ -10,9 +10,11 @@ export JAX_PLATFORMS=cpu
 # One process per test directory: in one process for all, a Pallas kernel's XLA:CPU compile in tests/kernels hung
 # (all threads idle) after the bench and engine tests had run; alone it takes seconds. Not yet bisected.
 # Two lanes of directories run at once: one pytest process keeps two cores ~60% busy (single-threaded lowering,
-# the Triton interpreter, servers starting), so two lanes cut the suite's wall time. Lane 1 is FIRST_LANE,
-# lane 2 every other part; each part's output is printed whole, in order, once both lanes are done.
+# the Triton interpreter, servers starting), so two lanes cut the suite's wall time. Lane 1 is FIRST_LANE, lane 2
+# every other part. Each part's output is printed whole as soon as it ends (one part at a time), and a part that
+# runs past PART_TIMEOUT_S is stopped, so a hang still shows its output.
 FIRST_LANE=(tests/kernels/ tests/engine/)
+PART_TIMEOUT_S=${PART_TIMEOUT_S:-2400}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 second_lane=()
@@ -20,22 +22,17 @@ for part in tests/*/ tests/test_*.py; do
   [[ "$part" == *__pycache__* || " ${FIRST_LANE[*]} " == *" $part "* ]] && continue
   second_lane+=("$part")
 done
-lane() {  # the parts given, one pytest process each: its log and exit status in $logs, named for the part
+PYTEST_ARGS=("$@")
+lane() {  # the parts given, one pytest process each; a failed part leaves a file in $logs/failed
   for part in "$@"; do
-    local name="${part//\//_}"
-    python3 -m pytest "$part" "${PYTEST_ARGS[@]}" > "$logs/$name.log" 2>&1
-    echo $? > "$logs/$name.status"
+    local log="$logs/${part//\//_}.log"
+    local status=0
+    timeout "$PART_TIMEOUT_S" python3 -m pytest "$part" "${PYTEST_ARGS[@]}" > "$log" 2>&1 || status=$?
+    [[ $status == 0 ]] || touch "$logs/failed"
+    flock "$logs/print.lock" sh -c 'echo "=== $0 (exit $1)"; cat "$2"' "$part" "$status" "$log"
   done
 }
-PYTEST_ARGS=("$@")
 lane "${FIRST_LANE[@]}" &
 lane "${second_lane[@]}" &
 wait
-status=0
-for part in "${FIRST_LANE[@]}" "${second_lane[@]}"; do
-  name="${part//\//_}"
-  echo "=== $part"
-  cat "$logs/$name.log"
-  [[ "$(cat "$logs/$name.status" 2>/dev/null)" == 0 ]] || status=1
-done
-exit $status
+[[ ! -e "$logs/failed" ]]
