@@ -64,9 +64,11 @@ def forcing_grammar(fmt: str, tools: list[dict], tool_choice: str | dict, parall
             rules.append(f'fn_{i}: {_lit(head)} %json {_json_schema(schema)} "}}"')
             continue
         required = set(schema.get("required") or ())
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what a property's $ref names
         params = []
         for j, (key, value_schema) in enumerate((schema.get("properties") or {}).items()):
-            rules.append(f"p_{i}_{j}: {_lit(f'<parameter={key}>' + chr(10))} {_xml_value(value_schema)}")
+            value = _xml_value({**value_schema, **defs} if "$ref" in json.dumps(value_schema) else value_schema)
+            rules.append(f"p_{i}_{j}: {_lit(f'<parameter={key}>' + chr(10))} {value}")
             params.append(f"p_{i}_{j}" + ("" if key in required else "?"))
         head = f"<function={function['name']}>\n"
         rules.append(f'fn_{i}: {_lit(head)} {" ".join(params)} "</function>"')
@@ -85,9 +87,13 @@ def _xml_value(schema: dict) -> str:
     enum = schema.get("enum")
     if schema.get("type") in (None, "string") and enum and all(isinstance(e, str) for e in enum):
         return "(" + " | ".join(_lit(e) for e in enum) + ") " + close
-    if schema.get("type") in (None, "string") and "enum" not in schema and "const" not in schema:
+    if schema.get("type") == "string" and "enum" not in schema and "const" not in schema or not set(schema) & _TYPED:
         return "string_value"
     return f"%json {_json_schema(schema)} {close}"
+
+
+# The keywords that make a schema's value JSON rather than bare text (a schema with none of them takes any text).
+_TYPED = {"type", "$ref", "anyOf", "oneOf", "allOf", "enum", "const", "properties", "items"}
 
 
 def _json_schema(schema: dict) -> str:

@@ -134,7 +134,10 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parame
     "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}, "days": {"type": "integer", "minimum": 1,
                                                                                   "maximum": 7},
                    "note": {"type": "string"}, "opts": {"type": "object", "properties": {"metric": {"type": "boolean"}},
-                                                       "required": ["metric"], "additionalProperties": False}}}}},
+                                                       "required": ["metric"], "additionalProperties": False},
+                   "where": {"$ref": "#/$defs/place"}},
+    "$defs": {"place": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"],
+                        "additionalProperties": False}}}}},
                 {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
 
 
@@ -182,6 +185,7 @@ def test_a_forced_calls_grammar_lets_through_only_calls_the_parser_reads_with_th
             assert isinstance(arguments["days"], int) and 1 <= arguments["days"] <= 7
             assert isinstance(arguments.get("note", ""), str)
             assert isinstance(arguments.get("opts", {"metric": True})["metric"], bool)
+            assert isinstance(arguments.get("where", {"lat": 0.5})["lat"], int | float)  # a $ref to its $defs
     assert ended >= 3
 
 
