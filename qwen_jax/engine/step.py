@@ -62,7 +62,7 @@ def layout_shape(layout: Layout, name: str) -> tuple[int, ...]:
 
 
 def as_layout(layout) -> Layout:
-    """A Layout again after a trip through a multi-host op list (JSON turns its tuples into lists)."""
+    """A Layout again after a trip through a multi-host op list (JSON turns its tuples into lists: from_wire)."""
     entries, size = layout
     return Layout(tuple((name, dtype, tuple(shape), offset) for name, dtype, shape, offset in entries), size)
 
@@ -83,10 +83,6 @@ class _Batch:
     sampling_layout: Layout
     path: int
     top: int
-
-    def __post_init__(self):  # layouts come back from the wire as lists
-        object.__setattr__(self, "layout", as_layout(self.layout))
-        object.__setattr__(self, "sampling_layout", as_layout(self.sampling_layout))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +161,14 @@ def to_wire(op: Op) -> tuple:
 
 
 def from_wire(item: list | tuple) -> Op:
-    """to_wire's inverse (after multihost.pack / unpack)."""
+    """to_wire's inverse (after multihost.pack / unpack, which turn a Layout's tuples into lists)."""
     kind, *fields = item
     if kind not in _OPS:
         raise ValueError(f"unknown step op {kind!r}")
-    return _OPS[kind](*fields)
+    op = _OPS[kind](*fields)
+    if isinstance(op, _Batch):
+        op = dataclasses.replace(op, layout=as_layout(op.layout), sampling_layout=as_layout(op.sampling_layout))
+    return op
 
 
 def unpack(buffer: jax.Array, layout: Layout) -> dict[str, jax.Array]:
