@@ -271,8 +271,8 @@ class Compiler:
                         jobs.append(Job(f"sampler[{requests} rows, path {path}, top {top}]", ("sampler", requests),
                                         *self._sampler(layout, path, top)))
         for rows in self.row_counts(full):
-            row_ops = (step.RestoreSnapshots, step.SaveSnapshots, step.ResetPenalties)
-            for kind in [op.KIND for op in row_ops if r.has_snapshots or op is step.ResetPenalties]:
+            snapshots = (step.RestoreSnapshots.KIND, step.SaveSnapshots.KIND) if r.has_snapshots else ()
+            for kind in (*snapshots, step.ResetPenalties.KIND):
                 if (kind, rows) not in r.row_programs:
                     jobs.append(Job(f"{kind}[{rows} rows]", ("rows", rows), *self._row_program(kind, rows)))
         return jobs
@@ -304,11 +304,11 @@ class Compiler:
 
         def lower():
             index = self.packed(rows)
-            if kind == "penalties":
+            if kind == step.ResetPenalties.KIND:
                 ids = jax.ShapeDtypeStruct((rows, r.table_width * r.block_size), np.int32,
                                            sharding=step.replicated(r.mesh))
                 return step.init_penalties.lower(self.abstract(r.penalty_counts), index, ids, index, index)
-            program = step.restore_snapshots if kind == "restore" else step.save_snapshots
+            program = step.restore_snapshots if kind == step.RestoreSnapshots.KIND else step.save_snapshots
             return program.lower(self.abstract(r.cache), self.abstract(r.snapshots), index, index, cfg=r.cfg,
                                  mesh=r.mesh)
 

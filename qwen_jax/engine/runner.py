@@ -329,14 +329,14 @@ class ModelRunner:
         out = None
         for op in ops:
             match op:
-                case step.RestoreSnapshots(src=src, dst=dst):
-                    program = self._row_program_for(op, len(src))
-                    self.cache = program(self.cache, self.snapshots, *self.put((src, dst)))
-                case step.SaveSnapshots(src=src, dst=dst):
-                    program = self._row_program_for(op, len(src))
-                    self.snapshots = program(self.cache, self.snapshots, *self.put((src, dst)))
+                case step.RestoreSnapshots():
+                    program = self._row_program(op.KIND, len(op.src))
+                    self.cache = program(self.cache, self.snapshots, *self.put((op.src, op.dst)))
+                case step.SaveSnapshots():
+                    program = self._row_program(op.KIND, len(op.src))
+                    self.snapshots = program(self.cache, self.snapshots, *self.put((op.src, op.dst)))
                 case step.ResetPenalties():
-                    program = self._row_program_for(op, len(op.rows))
+                    program = self._row_program(op.KIND, len(op.rows))
                     self.penalty_counts = program(self.penalty_counts,
                                                   *self.put((op.rows, op.ids, op.num_prompt, op.num_tokens)))
                 case step.Forward():
@@ -368,10 +368,6 @@ class ModelRunner:
             for array in out:
                 array.copy_to_host_async()
         return out
-
-    def _row_program_for(self, op: step.Op, rows: int):
-        """The snapshot copy or penalty reset of `rows` entries: compiled ahead (row_programs), else jitted."""
-        return self.row_programs.get((op.KIND, rows)) or self._row_program(op.KIND)
 
     def _stage(self, layout: step.Layout, buffer, sampling, sampling_layout: step.Layout,
                behind: bool) -> tuple[jax.Array, jax.Array]:
@@ -470,11 +466,15 @@ class ModelRunner:
             buffer = self._inputs[size] = self.put(np.zeros(size, np.int32))
         return buffer
 
-    def _row_program(self, kind: str) -> Callable:
-        """A snapshot copy or penalty reset not compiled ahead (a warm-up that is not full): jitted."""
-        if kind == "penalties":
+    def _row_program(self, kind: str, rows: int) -> Callable:
+        """The snapshot copy or penalty reset (op KIND) of `rows` entries: compiled ahead (row_programs), else jitted
+        (a warm-up that is not full)."""
+        compiled = self.row_programs.get((kind, rows))
+        if compiled is not None:
+            return compiled
+        if kind == step.ResetPenalties.KIND:
             return step.init_penalties
-        program = step.restore_snapshots if kind == "restore" else step.save_snapshots
+        program = step.restore_snapshots if kind == step.RestoreSnapshots.KIND else step.save_snapshots
         return functools.partial(program, cfg=self.cfg, mesh=self.mesh)
 
     def _sampler(self, layout: step.Layout, path: int, top: int):
