@@ -67,8 +67,7 @@ def forcing_grammar(fmt: str, tools: list[dict], tool_choice: str | dict, parall
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what a property's $ref names
         params = []
         for j, (key, value_schema) in enumerate((schema.get("properties") or {}).items()):
-            value = _xml_value({**value_schema, **defs} if "$ref" in json.dumps(value_schema) else value_schema)
-            rules.append(f"p_{i}_{j}: {_lit(f'<parameter={key}>' + chr(10))} {value}")
+            rules.append(f"p_{i}_{j}: {_lit(f'<parameter={key}>' + chr(10))} {_xml_value({**value_schema, **defs})}")
             params.append(f"p_{i}_{j}" + ("" if key in required else "?"))
         head = f"<function={function['name']}>\n"
         rules.append(f'fn_{i}: {_lit(head)} {" ".join(params)} "</function>"')

@@ -49,7 +49,7 @@ def definition(spec: StructuredOutputsParams) -> str:
             return _structural_tag(json.loads(source))
         return llguidance.grammar_from("grammar", source)  # choice: a Lark grammar of its literals
     except (ValueError, KeyError, TypeError, AssertionError) as exc:
-        raise ValueError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {_message(exc)}") from None
+        raise _invalid(spec, exc) from None
 
 
 def json_options(whitespace_run: int | None) -> dict:
@@ -87,7 +87,12 @@ def check_structured_outputs(spec: StructuredOutputsParams) -> None:
 
     error = llguidance.LLMatcher.validate_grammar(definition(spec))
     if error:
-        raise ValueError(f"structured_outputs.{spec.kind} is not a valid {_WHAT[spec.kind]}: {_message(error)}")
+        raise _invalid(spec, error)
+
+
+def _invalid(spec: StructuredOutputsParams, error: Exception | str) -> ValueError:
+    """The error of a spec whose grammar does not parse or compile, naming its field and what llguidance said."""
+    return ValueError(f"structured_outputs.{spec.kind} is not a valid {_WHAT[spec.kind]}: {_message(error)}")
 
 
 def _message(error: Exception | str) -> str:
@@ -158,8 +163,7 @@ class GrammarCompiler:
         tokenizer = self._get_tokenizer()
         matcher = llguidance.LLMatcher(tokenizer, definition(spec), log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{spec.kind} is not a valid {_WHAT[spec.kind]}: "
-                             f"{_message(matcher.get_error())}")
+            raise _invalid(spec, matcher.get_error())
         begins_after = None
         if spec.begins_after is not None:
             ids = tokenizer.tokenize_str(spec.begins_after, parse_special=True)
