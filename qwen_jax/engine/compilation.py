@@ -1,13 +1,13 @@
-"""Compilation, kept apart from execution: every program one replica's serving can run, compiled ahead several at
-once (each bucket run once on padding as soon as its programs are compiled) and checked against the memory plan.
+"""Compilation, kept apart from execution: every program of a replica's catalog (engine/programs.py), compiled ahead
+several at once into its program table (each bucket run once on padding as soon as its programs are compiled) and
+checked against the memory plan.
 
-It never schedules a request and never runs a request's step: the runner (engine/runner.py) only looks its programs
-up. Once `warm_up(full=True)` has returned, serving compiles nothing (tests/engine/test_engine_compile.py counts).
+It never schedules a request and never builds a request's step. Once `warm_up(full=True)` has returned, the table
+serves every program serving can run: its miss count stays 0 (tests/engine/test_engine_compile.py counts).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -20,18 +20,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
-from qwen_jax.engine import buckets, step
-from qwen_jax.engine.core_client import INHERITED_CONFIG
-from qwen_jax.engine.processes import COMPILE_WORKER, set_process_name
-from qwen_jax.engine.sampler import SamplingTensors
-from qwen_jax.layers.batch import ragged
+from qwen_jax.engine import step
+from qwen_jax.engine.processes import COMPILE_WORKER, INHERITED_CONFIG, set_process_name
+from qwen_jax.engine.programs import MODEL_SAMPLER_VARIANTS, WRITTEN_TABLES, ProgramKey, ProgramTable, Shapes
 
 if TYPE_CHECKING:
     from qwen_jax.engine.runner import ModelRunner
@@ -47,10 +44,6 @@ COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "0")) or max(2,
 _WORKERS = os.environ.get("QWEN_JAX_COMPILE_WORKERS")
 COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, min(COMPILE_THREADS - 1, 8))
 
-# Sampler variants compiled ahead for every request count: the top-k / top-p path (sampler.cut_path) and top logprobs
-# (none or the API maximum); each applies penalties (runner._sampler). Batches with logit_bias, min_tokens bans or
-# grammar masks have layouts of their own, jitted on first use.
-SAMPLER_PATHS = (0, 1, 2)
 # How long a core whose own compile workers are done waits for the other cores' share of the programs before it
 # compiles what is still missing itself.
 OTHERS_GRACE_S = 60.0
@@ -63,19 +56,19 @@ OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
 LOAD_THREADS = 8
 
 
-@dataclasses.dataclass
-class Job:
-    """One program to compile: `lower()` gives it lowered, `store(compiled)` puts it where the runner looks it up.
-    Jobs of a group run once together (`run_padding`)."""
+def file_name(key: ProgramKey) -> str:
+    """The file a compiled program is stored under in the program store."""
+    return re.sub(r"[^A-Za-z0-9_.=,-]", "_", key.name) + ".bin"
 
-    name: str
-    group: tuple
-    lower: Callable[[], jax.stages.Lowered]
-    store: Callable[[jax.stages.Compiled], None]
 
-    @property
-    def file_name(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_.=,-]", "_", self.name) + ".bin"
+def group(key: ProgramKey) -> tuple:
+    """The programs that run once together (run_padding): a token bucket's, a request count's samplers, the programs
+    of a count of sequences entering a batch."""
+    if key.kind == "sampler":
+        return ("sampler", key.size)
+    if key.kind in ("forward", "stage", "stage_behind", "decode_steps", "draft", "verify"):
+        return ("bucket", key.size)
+    return ("rows", key.size)
 
 
 def working_bytes(compiled: jax.stages.Compiled) -> int | None:
@@ -100,14 +93,15 @@ def source_digest() -> str:
 
 
 def compile_worker(task_path: str) -> None:
-    """A compile worker process (`python -c`, started by Compiler._from_workers): read its task (the runner spec of
-    Compiler.worker_spec, the programs' names, the store, the claims folder, JAX's settings) from `task_path`, build
-    the runner's abstract twin on this process's devices (the core's, inherited), then take the programs in order,
-    each one no other worker of the same start has claimed (`claim`): the workers share one queue, the largest
-    programs first, so none idles while another still has several to do. Each is lowered, compiled and stored
-    serialized in the store as soon as it is done (written whole, then renamed: a reader never sees half a file)."""
+    """A compile worker process (`python -c`, started by Compiler._from_workers): read its task (the replica's
+    Shapes, its mesh's sizes, the programs' keys, the store, the claims folder, JAX's settings) from `task_path`,
+    build the program table of those shapes on this process's devices (the core's, inherited; nothing allocated),
+    then take the programs in order, each one no other worker of the same start has claimed (`claim`): the workers
+    share one queue, the largest programs first, so none idles while another still has several to do. Each is
+    lowered, compiled and stored serialized in the store as soon as it is done (written whole, then renamed: a reader
+    never sees half a file)."""
     with open(task_path, "rb") as f:
-        spec, names, store, claims, jax_config = pickle.load(f)
+        shapes, keys, store, claims, jax_config = pickle.load(f)
     os.remove(task_path)
     set_process_name(COMPILE_WORKER)
     _exit_with(os.getppid())
@@ -117,32 +111,27 @@ def compile_worker(task_path: str) -> None:
         jax.config.update(name, value)
     from jax.experimental import serialize_executable
 
-    from qwen_jax.engine.runner import ModelRunner
-    from sharding import rules
     from sharding.mesh import make_mesh
 
-    cfg = spec["cfg"]
-    mesh = make_mesh(spec["tensor_parallel_size"], 1, spec["enable_expert_parallel"])
-    runner = ModelRunner(cfg, rules.abstract_params(cfg, mesh), mesh=mesh, **spec["runner"])
-    jobs = {job.name: job for job in runner.compiler.jobs(spec["sizes"])}
-    for name in names:
-        job = jobs[name]
-        if os.path.exists(os.path.join(store, job.file_name)) or not claim(claims, job.file_name):
+    table = ProgramTable(shapes, make_mesh(shapes.tensor_parallel_size, 1, shapes.enable_expert_parallel))
+    for key in keys:
+        name = file_name(key)
+        if os.path.exists(os.path.join(store, name)) or not claim(claims, name):
             continue
         began = time.perf_counter()
         try:
-            lowered = job.lower()
+            lowered = table.lower(key)
             lowered_at = time.perf_counter()
             compiled = lowered.compile()
-            log.info("%s: lowered in %.1fs, compiled in %.1fs", name, lowered_at - began,
+            log.info("%s: lowered in %.1fs, compiled in %.1fs", key.name, lowered_at - began,
                      time.perf_counter() - lowered_at)
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             stored = dict(payload=payload, in_tree=in_tree, out_tree=out_tree, working_bytes=working_bytes(compiled),
                           seconds=time.perf_counter() - began)
         except Exception as exc:  # the core retries it alone (out of memory) or reports it
-            log.exception("compiling %s failed", name)
+            log.exception("compiling %s failed", key.name)
             stored = dict(error=f"{type(exc).__name__}: {exc}", out_of_memory=OUT_OF_MEMORY in str(exc))
-        path = os.path.join(store, job.file_name)
+        path = os.path.join(store, name)
         with open(path + f".{os.getpid()}.tmp", "wb") as f:
             pickle.dump(stored, f)
         os.replace(path + f".{os.getpid()}.tmp", path)
@@ -179,223 +168,25 @@ def uses_workers(mesh) -> bool:
 
 
 class Compiler:
-    """The compile and warm-up side of one ModelRunner."""
+    """The compile and warm-up side of one replica: fills its runner's program table (runner.programs) with the
+    catalog's programs (programs.Shapes.catalog) and runs each once."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.table: ProgramTable = runner.programs
+        self.shapes: Shapes = runner.shapes
         self.working_bytes: dict[str, int] = {}  # program name -> its working (temp) memory, from XLA
-        self.working_group: dict[str, tuple] = {}  # program name -> its job's group
+        self.working_group: dict[str, tuple] = {}  # program name -> its group
         self.held_back: float | None = None  # device memory left beside the caches (None: not known)
         self.memory_checked = False
         self._workers: list[subprocess.Popen] = []  # this core's compile worker processes
         self._claims: list[str] = []  # their claims folders (compile_worker), removed once they are done
-        self._begun: tuple[list[Job], list[subprocess.Popen]] | None = None  # (its jobs, workers) started by begin
+        # (its programs, workers) started by begin
+        self._begun: tuple[list[ProgramKey], list[subprocess.Popen]] | None = None
 
-    # ---- abstract inputs ---------------------------------------------------------------------------------------
-    def packed(self, size: int) -> jax.ShapeDtypeStruct:
-        """A packed int32 buffer of `size` as the step programs take it (replicated), for lowering them."""
-        return jax.ShapeDtypeStruct((size,), np.int32, sharding=step.replicated(self.runner.mesh))
-
-    @staticmethod
-    def abstract(tree):
-        """Shapes, dtypes and shardings of device arrays: what lowering needs, safe to read from another thread
-        while the arrays themselves are donated and replaced by steps."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
-    def step_inputs(self, size: int) -> tuple[np.ndarray, step.Layout]:
-        """The packed inputs of a step of `size` padding tokens (no request: every write goes to the sinks)."""
-        r = self.runner
-        requests = buckets.request_bucket(size, r.max_num_seqs)
-        batch = ragged([], [], [], [], size, requests, r.table_width)
-        return step.pack_inputs(np.zeros(size, np.int32), batch, following=r.following([], requests))
-
-    def verify_inputs(self, size: int) -> tuple[np.ndarray, step.Layout]:
-        """The packed inputs of a verify step of `size` padding tokens."""
-        r = self.runner
-        requests = buckets.request_bucket(size, r.max_num_seqs)
-        batch = ragged([], [], [], [], size, requests, r.table_width)
-        return step.pack_inputs(np.zeros(size, np.int32), batch, draft_source=np.zeros(requests, np.int32))
-
-    def padding_sampling(self, requests: int) -> tuple[np.ndarray, step.Layout]:
-        """The packed sampling tensors of `requests` padding rows (every row greedy): the common sampling layout."""
-        r = self.runner
-        tensors = SamplingTensors.build_host([], [], vocab_size=r.vocab_size, batch_size=requests,
-                                             num_penalty_rows=r.num_slots)
-        return step.pack(tensors._asdict())
-
-    def requests(self, size: int) -> int:
-        return buckets.request_bucket(size, self.runner.max_num_seqs)
-
-    # ---- the programs ------------------------------------------------------------------------------------------
-    def verify_variants(self, size: int) -> list[tuple[int, int]]:
-        """The verify programs of token bucket `size`: (drafts a row, rounds) of every row count whose verify step
-        pads to that bucket; several rounds (max_verify_rounds) where decode steps run several a program."""
-        r = self.runner
-        variants = set()
-        for rows in range(1, r.max_num_seqs + 1):
-            k = r.drafts_at(rows)
-            if not k or rows * (k + 1) > r.token_buckets[-1] or buckets.bucket_for(rows * (k + 1),
-                                                                              r.token_buckets) != size:
-                continue
-            variants.add((k, 1))
-            if rows <= r.decode_steps_max_rows:
-                variants.add((k, r.max_verify_rounds))
-        return sorted(variants)
-
-    def jobs(self, sizes: list[int], full: bool = True) -> list[Job]:
-        """Every program not compiled yet that steps of the token buckets `sizes` can run: per bucket its forward
-        (and input staging), several-step decode, the MTP head's program, verify steps and their staging; per
-        request count its samplers; per count of sequences entering a batch at once its snapshot copies and penalty
-        resets (`row_counts`). `full`: every sampler variant and row count, else the greedy / temperature-only and
-        top-k samplers and one row. Largest buckets first: they take longest to compile."""
-        r = self.runner
-        jobs = []
-        for size in sorted(sizes, reverse=True):
-            group = ("bucket", size)
-            if size not in r.forwards:
-                jobs.append(Job(f"forward[{size}]", group, *self._forward(size)))
-            if size in r.decode_buckets and size not in r.decoders:
-                jobs.append(Job(f"decode_steps[{size} x {r.decode_steps}]", group, *self._decoder(size)))
-            if r.num_speculative_tokens:
-                if size not in r.drafters:
-                    jobs.append(Job(f"draft[{size}]", group, *self._drafter(size)))
-                for k, rounds in self.verify_variants(size):
-                    if (size, k, rounds) not in r.verifiers:
-                        jobs.append(Job(f"verify[{size}, k={k}, rounds={rounds}]", group,
-                                        *self._verifier(size, k, rounds)))
-        for requests in sorted({self.requests(size) for size in sizes}):
-            layout = self.padding_sampling(requests)[1]
-            for path in SAMPLER_PATHS if full else (0, 1):
-                for top in (0, r.top_logprobs_width) if full else (0,):
-                    if (layout, path, top) not in r.samplers:
-                        jobs.append(Job(f"sampler[{requests} rows, path {path}, top {top}]", ("sampler", requests),
-                                        *self._sampler(layout, path, top)))
-        for rows in self.row_counts(full):
-            snapshots = (step.RestoreSnapshots.KIND, step.SaveSnapshots.KIND) if r.has_snapshots else ()
-            for kind in (*snapshots, step.ResetPenalties.KIND):
-                if (kind, rows) not in r.row_programs:
-                    jobs.append(Job(f"{kind}[{rows} rows]", ("rows", rows), *self._row_program(kind, rows)))
-        return jobs
-
-    def row_counts(self, full: bool = True) -> list[int]:
-        """The padded counts of sequences that enter a batch at once (runner.pairs, runner._penalty_rows): every
-        power of two up to max_num_seqs (`full`), else one."""
-        return sorted({buckets.bucket(k) for k in range(1, (self.runner.max_num_seqs if full else 1) + 1)})
-
-    # Each program: (lower, store): `lower()` gives its jax.stages.Lowered (run where it compiles: a thread or a
-    # compile worker), `store(compiled)` puts the compiled program where the runner looks it up (in this process).
-    def _forward(self, size: int) -> tuple[Callable, Callable]:
-        r = self.runner
-        layout = self.step_inputs(size)[1]
-
-        def store(compiled):
-            r.forwards[size] = compiled
-            self.stager(layout.size)
-
-        return lambda: step.forward.lower(
-            self.abstract(r.params), self.abstract(r.cache), self.abstract(r.last_tokens), self.packed(layout.size),
-            layout=layout, cfg=r.cfg, mesh=r.mesh, kernels=r.kernels,
-            with_hidden=bool(r.num_speculative_tokens)), store
-
-    def _row_program(self, kind: str, rows: int) -> tuple[Callable, Callable]:
-        """The snapshot copy ("restore": snapshots into state slots, "save": back) or penalty-count reset of `rows`
-        sequences entering a batch."""
-        r = self.runner
-
-        def lower():
-            index = self.packed(rows)
-            if kind == step.ResetPenalties.KIND:
-                ids = jax.ShapeDtypeStruct((rows, r.table_width * r.block_size), np.int32,
-                                           sharding=step.replicated(r.mesh))
-                return step.init_penalties.lower(self.abstract(r.penalty_counts), index, ids, index, index)
-            program = step.restore_snapshots if kind == step.RestoreSnapshots.KIND else step.save_snapshots
-            return program.lower(self.abstract(r.cache), self.abstract(r.snapshots), index, index, cfg=r.cfg,
-                                 mesh=r.mesh)
-
-        return lower, lambda compiled: r.row_programs.__setitem__((kind, rows), compiled)
-
-    def forward(self, size: int) -> None:
-        """Compile the forward of token bucket `size` here and now (a step of a bucket not compiled ahead)."""
-        lower, store = self._forward(size)
-        store(lower().compile())
-
-    def stager(self, size: int) -> jax.stages.Compiled:
-        """The program that copies packed inputs of `size` into their input buffer."""
-        r = self.runner
-        program = r.stagers.get(size)
-        if program is None:
-            buffer = self.packed(size)
-            program = r.stagers[size] = step.stage_inputs.lower(buffer, buffer).compile()
-        return program
-
-    def _sampler(self, layout: step.Layout, path: int, top: int) -> tuple[Callable, Callable]:
-        r = self.runner
-        requests = step.layout_shape(layout, "temperature")[0]
-
-        def lower():
-            logits = jax.ShapeDtypeStruct((requests, r.vocab_size), np.float32, sharding=step.replicated(r.mesh))
-            return step.sample_step.lower(logits, self.packed(layout.size), self.abstract(r.last_tokens),
-                                          self.abstract(r.penalty_counts), layout=layout, num_top_logprobs=top,
-                                          path=path)
-
-        return lower, lambda compiled: r.samplers.__setitem__((layout, path, top), compiled)
-
-    def _decoder(self, size: int) -> tuple[Callable, Callable]:
-        r = self.runner
-        layout = self.step_inputs(size)[1]
-        sampling_layout = self.padding_sampling(self.requests(size))[1]
-        return lambda: step.decode_steps.lower(
-            self.abstract(r.params), self.abstract(r.cache), self.abstract(r.last_tokens),
-            self.packed(layout.size), self.packed(sampling_layout.size), layout=layout,
-            sampling_layout=sampling_layout, cfg=r.cfg, mesh=r.mesh, kernels=r.kernels, steps=r.decode_steps,
-            num_top_logprobs=0, path=0), lambda compiled: r.decoders.__setitem__(size, (sampling_layout, compiled))
-
-    def _drafter(self, size: int) -> tuple[Callable, Callable]:
-        """The MTP head's program after a plain step of `size` tokens; stored with the stage_behind program of that
-        step's inputs (any step may follow a verify program still in flight)."""
-        r = self.runner
-        layout = self.step_inputs(size)[1]
-
-        def lower():
-            replicated = step.replicated(r.mesh)
-            hidden = jax.ShapeDtypeStruct((size, r.cfg.hidden_size), r.cfg.jnp_dtype, sharding=replicated)
-            tokens = jax.ShapeDtypeStruct((size,), np.int32, sharding=replicated)
-            return step.draft_step.lower(
-                self.abstract(r.params), self.abstract(r.cache), hidden, tokens, self.abstract(r.last_tokens),
-                self.abstract(r.drafts), self.packed(layout.size), layout=layout, cfg=r.cfg, mesh=r.mesh,
-                kernels=r.kernels, draft_len=r.num_speculative_tokens)
-
-        def store(compiled):
-            r.drafters[size] = layout, compiled
-            self._behind_stager(layout, self.padding_sampling(self.requests(size))[1])
-
-        return lower, store
-
-    def _verifier(self, size: int, k: int, rounds: int) -> tuple[Callable, Callable]:
-        """The verify step of `size` tokens, k drafts a row and `rounds` rounds (greedy and temperature-only
-        sampling without logprobs: on an accelerator only such rows speculate); stored with its staging programs."""
-        r = self.runner
-        layout = self.verify_inputs(size)[1]
-        sampling_layout = self.padding_sampling(self.requests(size))[1]
-
-        def store(compiled):
-            r.verifiers[size, k, rounds] = sampling_layout, compiled
-            self.stager(layout.size)
-            self._behind_stager(layout, sampling_layout)
-
-        return lambda: step.verify_step.lower(
-            self.abstract(r.params), self.abstract(r.cache), self.abstract(r.last_tokens),
-            self.abstract(r.drafts), self.abstract(r.emitted), self.packed(layout.size),
-            self.packed(sampling_layout.size), layout=layout, sampling_layout=sampling_layout, cfg=r.cfg,
-            mesh=r.mesh, kernels=r.kernels, draft_len=k, rounds=rounds, num_top_logprobs=0, path=0), store
-
-    def _behind_stager(self, layout: step.Layout, sampling_layout: step.Layout) -> None:
-        r = self.runner
-        if (layout, sampling_layout) not in r.behind_stagers:
-            buffer, sampling = self.packed(layout.size), self.packed(sampling_layout.size)
-            r.behind_stagers[layout, sampling_layout] = step.stage_behind.lower(
-                buffer, buffer, sampling, self.abstract(r.emitted), layout=layout,
-                sampling_layout=sampling_layout).compile()
+    def jobs(self, sizes: list[int], full: bool = True) -> list[ProgramKey]:
+        """The catalog's programs of the token buckets `sizes` not compiled yet (Shapes.catalog; `full` as there)."""
+        return self.table.missing(self.shapes.catalog(sizes, full))
 
     # ---- compiling and first runs ------------------------------------------------------------------------------
     def compile(self, sizes: list[int] | None = None, run: bool = False, workers: int | None = None,
@@ -412,28 +203,28 @@ class Compiler:
         the program with the most working memory first (the allocator's first large region then holds every later
         program's). `full`: as in `jobs`."""
         r = self.runner
-        sizes = list(r.token_buckets if sizes is None else sizes)
+        sizes = list(self.shapes.token_buckets if sizes is None else sizes)
         jobs = self.jobs(sizes, full)
         if workers is None:
             workers = COMPILE_WORKERS if uses_workers(r.mesh) and r.executor == r.execute else 0
         start = time.perf_counter()
         pending: dict[tuple, int] = {}
-        for job in jobs:
-            pending[job.group] = pending.get(job.group, 0) + 1
+        for key in jobs:
+            pending[group(key)] = pending.get(group(key), 0) + 1
         # with workers, first runs wait for them all (they hold device memory while they compile); with threads,
         # they start once the programs with the most working memory are compiled
-        critical = {job.name for job in jobs if workers or job.name.startswith("verify")
-                    or job.name == f"forward[{max(sizes)}]"}
+        critical = {key for key in jobs if workers or key.kind == "verify"
+                    or key == ProgramKey("forward", max(sizes))}
         to_run = sorted(sizes) if run else []
         produced = self._from_workers(jobs, workers, part) if workers else self._from_threads(jobs)
-        for done, (job, compiled, seconds, working) in enumerate(produced, 1):
+        for done, (key, compiled, seconds, working) in enumerate(produced, 1):
             if working is not None:
-                self.working_bytes[job.name] = working
-                self.working_group[job.name] = job.group
-            job.store(compiled)
-            pending[job.group] -= 1
-            critical.discard(job.name)
-            log.info("compiled %s in %.1fs (%d of %d, %.1fs in all)", job.name, seconds, done, len(jobs),
+                self.working_bytes[key.name] = working
+                self.working_group[key.name] = group(key)
+            self.table.compiled[key] = compiled
+            pending[group(key)] -= 1
+            critical.discard(key)
+            log.info("compiled %s in %.1fs (%d of %d, %.1fs in all)", key.name, seconds, done, len(jobs),
                      time.perf_counter() - start)
             if to_run and not critical:
                 to_run = self._run_ready(to_run, pending)
@@ -443,12 +234,13 @@ class Compiler:
             log.info("compiled %d programs in %.1fs (%s)", len(jobs), time.perf_counter() - start,
                      f"{workers} worker processes" if workers else f"{COMPILE_THREADS} threads")
 
-    def _from_threads(self, jobs: list[Job]):
-        """(job, compiled, seconds, working bytes) of each job, compiled in threads of this process, as they finish."""
-        def compile_one(job: Job):
+    def _from_threads(self, jobs: list[ProgramKey]):
+        """(key, compiled, seconds, working bytes) of each program, compiled in threads of this process, as they
+        finish."""
+        def compile_one(key: ProgramKey):
             began = time.perf_counter()
-            compiled = job.lower().compile()
-            return job, compiled, time.perf_counter() - began, working_bytes(compiled)
+            compiled = self.table.lower(key).compile()
+            return key, compiled, time.perf_counter() - began, working_bytes(compiled)
 
         if not jobs:
             return
@@ -456,9 +248,9 @@ class Compiler:
             for future in as_completed([pool.submit(compile_one, job) for job in jobs]):
                 yield future.result()
 
-    def _from_workers(self, jobs: list[Job], workers: int, part: tuple[int, int]):
-        """(job, compiled, seconds, working bytes) of each job as compile worker processes store it, serialized, in
-        the program store (program_store); this core's share of the jobs is compiled by workers started here;
+    def _from_workers(self, jobs: list[ProgramKey], workers: int, part: tuple[int, int]):
+        """(key, compiled, seconds, working bytes) of each program (job) as compile worker processes store it, serialized, in
+        the program store (program_store); this core's share of them is compiled by workers started here;
         LOAD_THREADS threads load the stored programs."""
         store = self.program_store()
         if self._begun is not None:  # started before the weights were read (begin)
@@ -466,9 +258,9 @@ class Compiler:
             self._begun = None
         else:
             mine, processes = self._start_share(jobs, workers, part, store)
-        left = {job.file_name: job for job in jobs}
-        mine_files = {job.file_name for job in mine}
-        retry: list[Job] = []  # out of memory beside the other workers: compiled again alone
+        left = {file_name(job): job for job in jobs}
+        mine_files = {file_name(job) for job in mine}
+        retry: list[ProgramKey] = []  # out of memory beside the other workers: compiled again alone
         retried: set[str] = set()
         loading: dict = {}  # future of a program being loaded -> its job
         loader = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="qwen-jax-load")
@@ -481,7 +273,7 @@ class Compiler:
                 loaded = [future for future in loading if future.done()]
                 for future in loaded:
                     job = loading.pop(future)
-                    name, stored = job.file_name, future.result()
+                    name, stored = file_name(job), future.result()
                     if stored.get("out_of_memory") and name in mine_files and name not in retried:
                         # XLA's autotuning ran out of device memory beside the other workers: once they are done,
                         # compile it again in a worker of its own
@@ -508,7 +300,7 @@ class Compiler:
                     waited = time.perf_counter()
                     continue
                 dead = [p.returncode for p in processes if p.poll()]
-                owed = mine_files & set(left) - {job.file_name for job in retry}
+                owed = mine_files & set(left) - {file_name(job) for job in retry}
                 if dead and owed:
                     missing = left[min(owed)].name
                     raise RuntimeError(f"a compile worker exited with code {dead[0]} before storing {missing}")
@@ -548,19 +340,19 @@ class Compiler:
         compile then waits for them. A no-op where programs are not compiled in workers."""
         r = self.runner
         if uses_workers(r.mesh) and r.executor == r.execute:
-            jobs = self.jobs(list(r.token_buckets))
+            jobs = self.jobs(list(self.shapes.token_buckets))
             self._begun = self._start_share(jobs, COMPILE_WORKERS, part, self.program_store())
             log.info("%d of %d programs to compile (the rest are stored): %d compile workers started",
                      len(self._begun[0]), len(jobs), len(self._begun[1]))
 
-    def _start_share(self, jobs: list[Job], workers: int, part: tuple[int, int], store: str
-                     ) -> tuple[list[Job], list[subprocess.Popen]]:
+    def _start_share(self, jobs: list[ProgramKey], workers: int, part: tuple[int, int], store: str
+                     ) -> tuple[list[ProgramKey], list[subprocess.Popen]]:
         """This core's share of `jobs` not in the store yet, and the worker processes started on it."""
-        mine = [job for job in jobs[part[0]::part[1]] if not os.path.exists(os.path.join(store, job.file_name))]
+        mine = [job for job in jobs[part[0]::part[1]] if not os.path.exists(os.path.join(store, file_name(job)))]
         self._workers = self._start_workers(mine, workers, store)
         return mine, self._workers
 
-    def _start_workers(self, jobs: list[Job], workers: int, store: str) -> list[subprocess.Popen]:
+    def _start_workers(self, jobs: list[ProgramKey], workers: int, store: str) -> list[subprocess.Popen]:
         """Compile worker processes for `jobs`, sharing them as one queue in their order (compile_worker). Plain
         subprocesses (a daemonic core process may not start multiprocessing children), this package first on their
         path."""
@@ -571,35 +363,26 @@ class Compiler:
         # kernels (the default allocator keeps its peak: 8 workers beside 35B-A3B's weights filled an H200)
         env = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform", **os.environ,
                "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        spec = self.worker_spec()
         claims = tempfile.mkdtemp(prefix=f"claims.{os.getpid()}.", dir=store)
         self._claims.append(claims)
         processes = []
         for w in range(count):
             task = os.path.join(store, f"task.{os.getpid()}.{time.monotonic_ns()}.{w}.pkl")
             with open(task, "wb") as f:
-                pickle.dump((spec, [job.name for job in jobs], store, claims, jax_config), f)
+                pickle.dump((self.shapes, jobs, store, claims, jax_config), f)
             processes.append(subprocess.Popen(
                 [sys.executable, "-c", f"from qwen_jax.engine.compilation import compile_worker; "
                                        f"compile_worker({task!r})"], env=env))
         return processes
-
-    def worker_spec(self) -> dict:
-        """What a compile worker needs to build this runner's abstract twin (the same programs, nothing allocated)."""
-        r = self.runner
-        return dict(cfg=r.cfg, runner=r.spec, tensor_parallel_size=int(np.prod(r.mesh.devices.shape)),
-                    enable_expert_parallel=r.mesh.shape.get("expert", 1) > 1, sizes=list(r.token_buckets))
 
     def program_store(self) -> str:
         """The folder compile workers store this runner's programs in: under the persistent compilation cache (a
         restart loads them without compiling or lowering), keyed by everything a program depends on: the model,
         the runner's shapes and drafts, the devices, JAX, XLA's flags and this package's source."""
         r = self.runner
-        # (a replica's sampling seed is an input of its programs, not part of them)
-        spec = dict(r.spec, seed=0, drafts_at=[r.drafts_at(rows) for rows in range(1, r.max_num_seqs + 1)])
-        key = hashlib.sha256(pickle.dumps((r.cfg, sorted(spec.items()), dict(r.mesh.shape),
-                                           r.mesh.devices.flat[0].device_kind, jax.__version__,
-                                           os.environ.get("XLA_FLAGS", ""), source_digest()))).hexdigest()[:24]
+        key = hashlib.sha256(pickle.dumps((self.shapes, dict(r.mesh.shape), r.mesh.devices.flat[0].device_kind,
+                                           jax.__version__, os.environ.get("XLA_FLAGS", ""),
+                                           source_digest()))).hexdigest()[:24]
         root = jax.config.jax_compilation_cache_dir or tempfile.gettempdir()
         store = os.path.join(root, "qwen_jax_programs", key)
         os.makedirs(store, exist_ok=True)
@@ -620,12 +403,12 @@ class Compiler:
                 log.info("device memory: %.2f GiB in use with the caches, of %.2f GiB", stats["bytes_in_use"] / 2**30,
                          stats["bytes_limit"] / 2**30)
             largest = max(self.working_bytes, key=self.working_bytes.__getitem__, default=None)
-            group = self.working_group.get(largest, ())
-            if group and group[0] == "bucket" and group[1] in sizes:
-                sizes = [group[1], *(size for size in sizes if size != group[1])]
+            first = self.working_group.get(largest, ())
+            if first and first[0] == "bucket" and first[1] in sizes:
+                sizes = [first[1], *(size for size in sizes if size != first[1])]
         later = []
         for size in sizes:
-            if pending.get(("bucket", size)) or pending.get(("sampler", self.requests(size))):
+            if pending.get(("bucket", size)) or pending.get(("sampler", self.shapes.requests(size))):
                 later.append(size)
             else:
                 self.run_padding(size)
@@ -635,35 +418,40 @@ class Compiler:
         """Run the programs of token bucket `size` once on padding only (no request: every write goes to the sinks,
         KV block 0, state slot 0) and wait for them: a program's first run costs the host far more than later ones
         (on a GPU: loading it, recording its CUDA graphs). Overwrites last_tokens: only while no sequence runs."""
-        r = self.runner
-        buffer, layout = self.step_inputs(size)
-        sampling, sampling_layout = self.padding_sampling(self.requests(size))
+        r, shapes = self.runner, self.shapes
+        buffer, layout = shapes.step_inputs(size)
+        requests = shapes.requests(size)
+        sampling, sampling_layout = shapes.padding_sampling(requests)
         execute = r.executor
         batch = (buffer, layout, sampling, sampling_layout, 0, 0)
-        jax.block_until_ready(execute([step.Forward(*batch, head=bool(r.num_speculative_tokens), behind=False)]))
-        if size in r.decoders:
-            jax.block_until_ready(execute([step.DecodeSteps(*batch, steps=r.decode_steps, behind=False)]))
+        jax.block_until_ready(execute([step.Forward(*batch, head=bool(shapes.num_speculative_tokens), behind=False)]))
+        if size <= shapes.several_steps_rows:
+            for path, top in MODEL_SAMPLER_VARIANTS:
+                if ProgramKey("decode_steps", size, shapes.decode_steps, path=path, top=top) in self.table.compiled:
+                    jax.block_until_ready(execute([step.DecodeSteps(buffer, layout, sampling, sampling_layout, path,
+                                                                    top, steps=shapes.decode_steps, behind=False)]))
         # a model that speculates: its verify programs, and each kind of step caught up on one (padding: no row is
         # behind, so nothing moves)
-        for k, rounds in self.verify_variants(size) if r.num_speculative_tokens else ():
-            jax.block_until_ready(execute([step.Verify(*self.verify_inputs(size), sampling, sampling_layout, 0, 0,
-                                                       draft_len=k, rounds=rounds, behind=True)]))
-        if r.num_speculative_tokens:
+        for k, rounds in shapes.verify_variants(size) if shapes.num_speculative_tokens else ():
+            for path, top in MODEL_SAMPLER_VARIANTS:
+                if ProgramKey("verify", size, rounds, k, path=path, top=top) in self.table.compiled:
+                    jax.block_until_ready(execute([step.Verify(*shapes.verify_inputs(size), sampling, sampling_layout,
+                                                               path, top, draft_len=k, rounds=rounds, behind=True)]))
+        if shapes.num_speculative_tokens:
             jax.block_until_ready(execute([step.Forward(*batch, head=True, behind=True)]))
-        if size == min(s for s in r.token_buckets if self.requests(s) == self.requests(size)):
-            self._run_samplers(self.requests(size))
+        if size == min(s for s in shapes.token_buckets if shapes.requests(s) == requests):
+            self._run_samplers(requests)
 
     def _run_samplers(self, requests: int) -> None:
-        """Every sampler variant of `requests` rows once, on zero logits."""
+        """Every compiled sampler variant of `requests` rows once, on zero logits."""
         r = self.runner
-        sampling, layout = self.padding_sampling(requests)
+        sampling, _ = self.shapes.padding_sampling(requests)
         sampling = r.put(sampling)
         logits = r.put(np.zeros((requests, r.vocab_size), np.float32))
-        for (program_layout, *_), program in list(r.samplers.items()):
-            if program_layout != layout or not isinstance(program, jax.stages.Compiled):
-                continue
-            out, r.last_tokens, r.penalty_counts = program(logits, sampling, r.last_tokens, r.penalty_counts)
-            jax.block_until_ready(out)
+        for key, program in list(self.table.compiled.items()):
+            if key.kind == "sampler" and key.size == requests:
+                out, r.last_tokens, r.tables = program(logits, sampling, r.last_tokens, r.tables)
+                jax.block_until_ready(out)
 
     def check_memory(self) -> None:
         """The memory plan at start-up, before any program runs: every program's working memory (XLA's temp
@@ -685,11 +473,12 @@ class Compiler:
 
     def warm_up(self, full: bool, part: tuple[int, int] = (0, 1)) -> None:
         """Compile (several at once) and run once every program serving can run (`full`), or only those of the
-        smallest and the largest token bucket and the snapshot copies and penalty resets of one sequence (the rest
-        are jitted when a step first needs them). Through the executor, so other hosts compile and run them too.
-        `part`: this core's share of a compile shared with the other cores of one host (`compile`)."""
-        r = self.runner
-        sizes = list(r.token_buckets) if full else sorted({r.token_buckets[0], r.token_buckets[-1]})
+        smallest and the largest token bucket and the programs of one sequence entering a batch (the rest are jitted
+        when a step first needs them). Through the executor, so other hosts compile and run them too. `part`: this
+        core's share of a compile shared with the other cores of one host (`compile`)."""
+        r, shapes = self.runner, self.shapes
+        buckets = shapes.token_buckets
+        sizes = list(buckets) if full else sorted({buckets[0], buckets[-1]})
         if r.executor == r.execute:  # one host: first runs while the rest compiles
             self.compile(sizes, run=True, part=part, full=full)
         else:  # other hosts compile too, then every host runs each program in the same order
@@ -697,12 +486,18 @@ class Compiler:
             self.check_memory()
             for size in sizes:
                 self.run_padding(size)
-        # the small programs of sequences entering a batch: snapshot copies and penalty-count resets (nothing real:
-        # padding entries copy into the sinks, and reset no row)
-        longest = r.table_width * r.block_size
-        for n in self.row_counts(full):
-            if r.has_snapshots:
+        # the small programs of sequences entering a batch: snapshot copies, penalty-count resets and sampling-table
+        # rows (nothing real: padding entries copy into the sinks, and name no row)
+        longest = shapes.table_width * shapes.block_size
+        nowhere = shapes.num_slots
+        state = self.table.state["tables"]
+        for n in shapes.row_counts(full):
+            if shapes.has_snapshots:
                 r.executor([step.RestoreSnapshots(*r.pairs([(0, 0)] * n)), step.SaveSnapshots(*r.pairs([(0, 0)] * n))])
-            r.executor([step.ResetPenalties(np.full(n, r.num_slots, np.int32), np.zeros((n, longest), np.int32),
-                                            np.zeros(n, np.int32), np.zeros(n, np.int32))])
-        jax.block_until_ready((r.cache, r.penalty_counts))
+            rows = np.full(n, nowhere, np.int32)
+            r.executor([step.ResetPenalties(rows, np.zeros((n, longest), np.int32), np.zeros(n, np.int32),
+                                            np.zeros(n, np.int32)),
+                        *(step.WriteRows(table, rows, np.zeros((n, *getattr(state, table).shape[1:]),
+                                                               getattr(state, table).dtype))
+                          for table in WRITTEN_TABLES)])
+        jax.block_until_ready((r.cache, r.tables))

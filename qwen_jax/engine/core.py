@@ -182,7 +182,7 @@ class EngineCore:
                          for i, m, here in zip(ranks, replica_meshes, local, strict=True)]
         if compile_ahead is not None:
             for replica in self.replicas:
-                replica.runner.compiler.begin(compile_ahead)
+                replica.compiler.begin(compile_ahead)
         t0 = time.perf_counter()
         replica_params = self._load_params(source, args, replica_meshes)
         jax.block_until_ready(replica_params)
@@ -318,7 +318,7 @@ class EngineCore:
             else:
                 ahead.append(step)
         for replica in self.replicas:
-            plan = replica.scheduler.schedule(replica.runner.max_decode_steps(replica.scheduler.running))
+            plan = replica.scheduler.schedule()
             if plan.empty:
                 continue
             verifying = next((s.rows for s in ahead if s.replica is replica and s.verifies), [])

@@ -25,16 +25,13 @@ from collections.abc import Callable
 
 import zmq
 
-from qwen_jax.engine.processes import CORE, set_process_name
+from qwen_jax.engine.processes import CORE, INHERITED_CONFIG, set_process_name
 
 log = logging.getLogger("qwen_jax")
 
 # How often an idle core wakes to check its pipe, and how often it sends its counters while busy.
 IDLE_POLL_MS = 50
 STATS_EVERY_S = 0.5
-# JAX settings the core process takes over from the front's (the persistent compilation cache).
-INHERITED_CONFIG = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                    "jax_persistent_cache_min_entry_size_bytes")
 
 
 def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outputs: str, jax_config: dict,

@@ -15,9 +15,10 @@ from jax.sharding import Mesh
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine import buckets
-from qwen_jax.engine.compilation import uses_workers
+from qwen_jax.engine.compilation import Compiler, uses_workers
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache
+from qwen_jax.engine.programs import Shapes
 from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.scheduler import Scheduler
 from qwen_jax.engine.sequence import Sequence
@@ -63,18 +64,23 @@ class Replica:
         self.prefix_cache = (PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid)
                              if args["enable_prefix_caching"] else None)
         policy = DraftPolicy(spec, self.max_verify_tokens) if spec.num_drafts else None
-        self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.prefix_cache, max_model_len, policy)
         steps = args["num_scheduler_steps"]
         if steps is None:
             steps = DECODE_STEPS if jax.default_backend() == "gpu" else 1
-        self.runner = ModelRunner(cfg, params, self.num_blocks, self.block_size, self.max_num_seqs + 1,
-                                  self.num_snapshots if self.prefix_cache else 0, max_model_len, self.max_num_seqs,
-                                  self.max_num_batched_tokens, eos_token_ids, seed=seed, mesh=mesh,
-                                  decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS,
-                                  kernels=args["kernels"], num_speculative_tokens=spec.num_drafts,
-                                  drafts_at=policy.drafts_at if policy else None, lazy=uses_workers(mesh))
-        self.scheduler.verify_rounds = self.runner.verify_rounds
+        self.shapes = Shapes(
+            cfg=cfg, kernels=args["kernels"], tensor_parallel_size=int(np.prod(mesh.devices.shape)),
+            enable_expert_parallel=mesh.shape.get("expert", 1) > 1, num_blocks=self.num_blocks,
+            block_size=self.block_size, num_slots=self.max_num_seqs + 1,
+            num_snapshots=self.num_snapshots if self.prefix_cache else 0, max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS,
+            num_speculative_tokens=spec.num_drafts,
+            drafts_at=tuple(policy.drafts_at(rows) for rows in range(1, self.max_num_seqs + 1)) if policy else ())
+        self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
+                                   self.prefix_cache, max_model_len, policy, self.shapes)
+        self.runner = ModelRunner(self.shapes, params, eos_token_ids, seed=seed, mesh=mesh, lazy=uses_workers(mesh))
+        self.compiler = Compiler(self.runner)
+        self.runner.compile_buckets = self.compiler.compile
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
     def _size_memory(self, args: dict, fixed_drafts: int, params: dict | None) -> None:
@@ -163,8 +169,8 @@ class Replica:
         them against the memory plan. Full: every program serving can run; else the smallest and the largest token
         bucket's. `part`: this core's share of a compile shared with the other cores of one host. Runs padding only:
         no request, block or counter is touched."""
-        self.runner.compiler.held_back = self.held_back
-        self.runner.compiler.warm_up(full, part=part)
+        self.compiler.held_back = self.held_back
+        self.compiler.warm_up(full, part=part)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -183,5 +189,6 @@ class Replica:
             "state_slots_used": slots.num_slots - 1 - slots.num_free, "state_slots_total": slots.num_slots - 1,
             "prefix_cache_queries": cache.queries if cache else 0, "prefix_cache_hits": cache.hits if cache else 0,
             "step_device_wait_seconds_total": self.runner.device_wait_seconds,
+            "program_fallbacks_total": self.runner.programs.misses,
             "num_preemptions_total": s.num_preemptions,
         }

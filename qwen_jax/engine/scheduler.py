@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
 
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache, block_hashes, snapshot_boundary
+from qwen_jax.engine.programs import Shapes
 from qwen_jax.engine.sequence import Sequence, Status
 from qwen_jax.engine.speculative import DraftPolicy
 
@@ -48,9 +48,11 @@ class StepPlan:
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: SlotPool, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_cache: PrefixCache | None = None, max_model_len: int | None = None,
-                 speculation: DraftPolicy | None = None):
-        """`slots`: one per running sequence (its recurrent state, its row of penalty counts); `speculation`: the
-        policy that picks the drafts decoding rows verify (None: the model does not speculate)."""
+                 speculation: DraftPolicy | None = None, programs: Shapes | None = None):
+        """`slots`: one per running sequence (its recurrent state, its rows of the sampling tables); `speculation`:
+        the policy that picks the drafts decoding rows verify (None: the model does not speculate); `programs`: the
+        shapes of the replica's programs, which say how many decode steps or verify rounds one program runs (None:
+        one)."""
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
@@ -58,9 +60,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_model_len = max_model_len
         self.speculation = speculation
-        # the most verify rounds one program runs for (rows, drafts a row), 0 where those rows do not verify; the
-        # runner sets what it has compiled
-        self.verify_rounds: Callable[[list[Row], int], int] = lambda rows, drafts: 1
+        self.programs = programs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since the start, for the metrics
@@ -126,15 +126,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def schedule(self, max_steps: int = 1) -> StepPlan:
+    def schedule(self) -> StepPlan:
         """The next step: every running sequence's next tokens (oldest first; one for a decoding sequence, a chunk of
         its prompt for a prefilling one) under the token budget, preempting the newest when blocks run out, then
         waiting sequences while the budget, a slot and blocks allow. The plan's progress is booked at once.
         When the step holds only decoding sequences that may speculate and the policy wants drafts verified, each
         row becomes its last token and k drafts, verified in the step (`_speculate`; every draft is booked, and the
         next step, planned before this one is read back, starts after them: the device moves it back by the drafts
-        rejected). Else, max_steps > 1: when the step holds only decoding sequences, nothing waits and each has room
-        for them, it runs up to that many decode steps in one program (`_multi_step`)."""
+        rejected). Else, when the step holds only decoding sequences, nothing waits and each has room for them, it runs
+        as many decode steps in one program as the programs do for that many rows (`_multi_step`)."""
         budget = self.max_num_batched_tokens
         rows: list[Row] = []
         preempted: list[Sequence] = []
@@ -192,7 +192,7 @@ class Scheduler:
         # tokens when the next step may verify (it needs their drafts)
         head = self.speculation is not None and bool(rows) and (
             any(not r.samples or r.num_tokens > 1 for r in rows) or self.speculation.wants_drafts(len(rows)))
-        steps = self._multi_step(rows, max_steps) if max_steps > 1 and not preempted and not head else 1
+        steps = self._multi_step(rows) if not preempted and not head else 1
         for row in rows:
             row.steps = steps
             self._book(row)
@@ -200,19 +200,16 @@ class Scheduler:
 
     def _speculate(self, rows: list[Row]) -> bool:
         """Whether `rows` verify drafts, and if so turn each into its last token and k drafts (k from the policy),
-        verified in several rounds of one program (`verify_rounds` when nothing waits and there is room, else 1). Only
-        when every row is a decoding row of a running sequence whose sampling does not depend on the tokens before
-        it (no penalties, no min_tokens left, no grammar), the tokens fit the budget and max_model_len, and every
-        sequence has the blocks (allocated here) for every round's tokens and the positions its last drafts are made
-        at (k - 1 past the last verified token)."""
-        if self.speculation is None or not self._token_independent_decoding(rows):
+        verified in several rounds of one program (as many as the programs run for that many rows when nothing waits
+        and there is room, else 1). Only when every row may run several tokens a program (`_runs_ahead`), the tokens
+        fit the budget and max_model_len, and every sequence has the blocks (allocated here) for every round's tokens
+        and the positions its last drafts are made at (k - 1 past the last verified token)."""
+        if self.speculation is None or not self._runs_ahead(rows):
             return False
         k = self.speculation.drafts_for(len(rows))
         if not k or len(rows) * (1 + k) > self.max_num_batched_tokens:
             return False
-        most = self.verify_rounds(rows, k)  # 0: these rows' sampling has no verify program
-        if not most:
-            return False
+        most = self.programs.verify_rounds_for(len(rows)) if self.programs else 1
         for rounds in sorted({1 if self.waiting else most, 1}, reverse=True):
             reach = rounds * (k + 1) + k - 1  # tokens past num_computed_tokens the program writes KV pages for
             if self.max_model_len is not None and any(
@@ -224,12 +221,13 @@ class Scheduler:
                 return True
         return False
 
-    def _multi_step(self, rows: list[Row], max_steps: int) -> int:
-        """How many decode steps `rows` run at once: max_steps when every row is a decoding row of a running
-        sequence with no penalties, no min_tokens left to wait for and no grammar (their sampling would change from
-        one step to the next), no request waits, and every sequence has the blocks for them (allocated here); else 1.
-        Tokens past a request's end (EOS, a stop, max_tokens) are computed and dropped."""
-        if self.waiting or not self._token_independent_decoding(rows):
+    def _multi_step(self, rows: list[Row]) -> int:
+        """How many decode steps `rows` run at once: as many as the programs run for that many rows when every row
+        may run several tokens a program (`_runs_ahead`), no request waits, and every sequence has the blocks for
+        them (allocated here); else 1. Tokens past a request's end (EOS, a stop, max_tokens) are computed and
+        dropped."""
+        max_steps = self.programs.decode_steps_for(len(rows)) if self.programs else 1
+        if max_steps == 1 or self.waiting or not self._runs_ahead(rows):
             return 1
         if self.max_model_len is not None and any(
                 r.seq.num_computed_tokens + max_steps > self.max_model_len for r in rows):
@@ -239,13 +237,13 @@ class Scheduler:
         return max_steps
 
     @staticmethod
-    def _token_independent_decoding(rows: list[Row]) -> bool:
-        """Whether `rows` are all decoding rows (one sampled token, not entering the batch) whose sampling does not
-        depend on the tokens just before it (no penalties, no min_tokens left to wait for, no grammar): such rows
-        may run several tokens a program, as decode steps or as drafts verified."""
-        return bool(rows) and all(
-            r.samples and r.num_tokens == 1 and not r.admitted and not r.seq.params.has_penalties
-            and r.seq.num_requested >= r.seq.params.min_tokens and r.seq.grammar is None for r in rows)
+    def _runs_ahead(rows: list[Row]) -> bool:
+        """The one rule for which rows run several tokens a program, as decode steps or as drafts verified: decoding
+        rows (one sampled token, not entering the batch) of any sampling setting (every one is compiled into those
+        programs: programs.MODEL_SAMPLER_VARIANTS; penalties and min_tokens follow each token on the device), except
+        under a grammar, whose mask for each token the host makes from the token before it."""
+        return bool(rows) and all(r.samples and r.num_tokens == 1 and not r.admitted and r.seq.grammar is None
+                                  for r in rows)
 
     def _book(self, row: Row) -> None:
         """Count a planned row as computed: its tokens' KV and state are in the cache for every later step (the

@@ -4,12 +4,14 @@ token of the target's own (the correction at the first mismatch, or the bonus af
 
 Every position draws its token exactly as the plain sampler (engine/sampler.py) would draw it there: greedy rows take
 the argmax, sampled rows draw from the sampler's distribution (`target_logits`: temperature, top-k, top-p, min-p,
-logit bias, bans) with the key the sampler would use for that output token (the row's rng advanced by rng_step per
-position, as several decode steps in one program advance it). A draft is accepted when it equals that token. With
-one-hot drafts (the drafter's argmax) a draft d is then accepted with probability p(d), as rejection sampling would
-accept it, and every emitted token is the very token plain decoding would have drawn, so a seeded request's output
-does not depend on whether, or how much, it speculated. Rows with penalties or a grammar, whose distribution at j
-depends on the tokens before j, are not verified here (the engine does not speculate for them).
+logit bias, penalties, bans) with the key the sampler would use for that output token (the row's rng advanced by
+rng_step per position, as several decode steps in one program advance it). Where that distribution depends on the
+tokens before the position (penalties, the min_tokens clock), it is taken after the drafts before it, which are those
+tokens whenever the position is reached. A draft is accepted when it equals that token. With one-hot drafts (the
+drafter's argmax) a draft d is then accepted with probability p(d), as rejection sampling would accept it, and every
+emitted token is the very token plain decoding would have drawn, so a seeded request's output does not depend on
+whether, or how much, it speculated. Rows under a grammar are not verified: their masks come from the host, one
+token at a time.
 Never reads a device value back and never branches on one.
 """
 
@@ -22,7 +24,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qwen_jax.engine.sampler import SamplingTensors, row_key, target_logits
+from qwen_jax.engine.sampler import (
+    SamplingTables,
+    SamplingTensors,
+    count_tokens,
+    largest,
+    next_step,
+    row_key,
+    seen_counts,
+    target_logits,
+)
 
 METHODS = ("mtp",)
 MAX_DRAFTS = 3  # the most drafts a row verifies (the verify kernels are built for up to this many)
@@ -174,20 +185,36 @@ class VerifyOutput(NamedTuple):
 
 
 def _per_position(t: SamplingTensors, positions: int) -> SamplingTensors:
-    """Each row's sampling tensors repeated for its `positions` positions (row-major: row r's at r*positions + j)."""
+    """Each row's sampling tensors at its `positions` positions (row-major: row r's at r*positions + j), each as the
+    plain sampler would see it j tokens later (sampler.next_step: its key, its min_tokens clock)."""
     rows = t.temperature.shape[0]
-    fields = {name: jnp.repeat(value, positions, axis=0) if value.shape[:1] == (rows,) else value
-              for name, value in t._asdict().items()}
-    return SamplingTensors(**fields)
+    repeated = SamplingTensors(*(jnp.repeat(value, positions, axis=0) for value in t))
+    return next_step(repeated, jnp.tile(jnp.arange(positions), rows))
+
+
+def _seen_after_drafts(seen: jax.Array, drafts: jax.Array, penalised: jax.Array) -> jax.Array:
+    """Penalty counts at each verify position: seen [R, V] (the row's counts before the step), then each draft before
+    the position counted as an output token, as it is once accepted (a position is only reached after its drafts
+    are). Returns [R, k+1, V]; rows without penalties (`penalised` False) keep zeros."""
+    rows, k = drafts.shape
+    at = jnp.arange(rows)
+    out = jnp.broadcast_to(seen[:, None, :], (rows, k + 1, seen.shape[1]))
+    for i in range(k):  # in order: a token drafted twice is counted twice
+        old = out[at, :, drafts[:, i]]  # [R, k+1]
+        later = (jnp.arange(k + 1)[None, :] > i) & penalised[:, None]
+        out = out.at[at, :, drafts[:, i]].set(jnp.where(later, jnp.maximum(old, 1) + 1, old))
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("num_top_logprobs", "path"))
-def verify(logits: jax.Array, drafts: jax.Array, tensors: SamplingTensors, *, num_top_logprobs: int,
-           path: int) -> VerifyOutput:
-    """logits [R, k+1, V] (float32 or bf16) of each verify row's positions, drafts [R, k] i32 -> VerifyOutput.
+def verify(logits: jax.Array, drafts: jax.Array, tensors: SamplingTensors, tables: SamplingTables, *,
+           num_top_logprobs: int, path: int) -> tuple[VerifyOutput, jax.Array]:
+    """logits [R, k+1, V] (float32 or bf16) of each verify row's positions, drafts [R, k] i32 -> (VerifyOutput, the
+    penalty counts with each penalised row's emitted tokens counted).
 
-    tensors: the rows' SamplingTensors for this step (no penalty counts, no grammar masks); position j of a row
-    draws with row_key(rng + j * rng_step), the key of its output token there. `path`: cut_path of the rows.
+    Position j of a row draws as the plain sampler would for the row's j-th token from now: with
+    row_key(rng + j * rng_step), its min_tokens clock j tokens on, and its penalty counts with the drafts before j
+    counted (the tokens it follows once they are accepted). `path`: at least cut_path of the rows.
     """
     rows, positions, vocab = logits.shape
     k = positions - 1
@@ -195,21 +222,28 @@ def verify(logits: jax.Array, drafts: jax.Array, tensors: SamplingTensors, *, nu
         raise ValueError(f"verify: drafts {drafts.shape} for logits {logits.shape}: want ({rows}, {k})")
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    x, scaled = target_logits(logits.reshape(rows * positions, vocab), _per_position(tensors, positions), None, path)
+    penalised = tensors.penalty_rows < tables.counts.shape[0]
+    seen = _seen_after_drafts(seen_counts(tables, tensors), drafts, penalised)
+    per_position = _per_position(tensors, positions)
+    x, scaled = target_logits(logits.reshape(rows * positions, vocab), per_position, tables, path,
+                              seen=seen.reshape(rows * positions, vocab))
     x, scaled = x.reshape(logits.shape), scaled.reshape(logits.shape)
-    at = jnp.arange(positions)
-    rng = tensors.rng[:, None, :] + at[None, :, None].astype(jnp.uint32) * tensors.rng_step[:, None, :]
-    keys = jax.vmap(jax.vmap(row_key))(rng)  # [R, k+1]
+    keys = jax.vmap(row_key)(per_position.rng).reshape(rows, positions)
     drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, scaled).astype(jnp.int32)
     own = jnp.where(tensors.temperature[:, None] > 0.0, drawn, jnp.argmax(x, axis=-1).astype(jnp.int32))
     num_accepted = jnp.sum(jnp.cumprod((drafts == own[:, :k]).astype(jnp.int32), axis=-1), axis=-1)  # [R] 0..k
+    at = jnp.arange(positions)
     emitted = at[None, :] <= num_accepted[:, None]
     tokens = jnp.where(emitted, own, -1)
+    counts = tables.counts
+    for j in range(positions):  # each emitted token counted in order (rows without penalties name no row: dropped)
+        counts = count_tokens(counts, tensors, jnp.where(emitted[:, j], own[:, j], vocab))
     chosen = jnp.take_along_axis(raw_logprobs, own[..., None], axis=-1)[..., 0]
     if num_top_logprobs:
-        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+        top_logprobs, top_ids = (a.reshape(rows, positions, num_top_logprobs) for a in largest(
+            raw_logprobs.reshape(rows * positions, vocab), num_top_logprobs))
     else:
         top_logprobs = jnp.zeros((rows, positions, 0), jnp.float32)
         top_ids = jnp.zeros((rows, positions, 0), jnp.int32)
     return VerifyOutput(tokens, num_accepted + 1, jnp.where(emitted, chosen, 0.0), top_ids.astype(jnp.int32),
-                        top_logprobs)
+                        top_logprobs), counts

@@ -19,7 +19,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qwen_jax.config import FULL_ATTENTION, ModelConfig
-from qwen_jax.engine.sampler import SampleOutput, SamplingTensors, init_penalty_rows, sample
+from qwen_jax.engine.sampler import (
+    SampleOutput,
+    SamplingTables,
+    SamplingTensors,
+    init_penalty_rows,
+    next_step,
+    sample,
+    write_rows,
+)
 from qwen_jax.engine.speculative import VerifyOutput, verify
 from qwen_jax.layers.batch import Ragged
 from qwen_jax.models import decoder
@@ -143,6 +151,18 @@ class ResetPenalties:
 
 
 @dataclasses.dataclass(frozen=True)
+class WriteRows:
+    """Rows `rows` of the sampling table `table` ("bias", "banned" or "masks": sampler.SamplingTables) set to `values`
+    (padding rows name none): a request's logit bias and banned tokens as it enters the batch, a constrained
+    request's grammar mask before each of its steps."""
+
+    table: str
+    rows: np.ndarray
+    values: np.ndarray
+    KIND: ClassVar[str] = "table"
+
+
+@dataclasses.dataclass(frozen=True)
 class CompileBuckets:
     """Compile every program of these token buckets (other hosts compile what host 0 does)."""
 
@@ -150,9 +170,9 @@ class CompileBuckets:
     KIND: ClassVar[str] = "compile"
 
 
-Op = Forward | DecodeSteps | Verify | RestoreSnapshots | SaveSnapshots | ResetPenalties | CompileBuckets
+Op = Forward | DecodeSteps | Verify | RestoreSnapshots | SaveSnapshots | ResetPenalties | WriteRows | CompileBuckets
 _OPS = {cls.KIND: cls for cls in (Forward, DecodeSteps, Verify, RestoreSnapshots, SaveSnapshots, ResetPenalties,
-                                  CompileBuckets)}
+                                  WriteRows, CompileBuckets)}
 
 
 def to_wire(op: Op) -> tuple:
@@ -265,15 +285,17 @@ def forward(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array
 # ---- several decode steps in one program -----------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "kernels", "steps",
                                              "num_top_logprobs", "path"),
-                   donate_argnames=("cache", "last_tokens"), compiler_options=EXACT)
-def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.Array, sampling: jax.Array, *,
-                 layout: Layout, sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh, kernels: str, steps: int,
-                 num_top_logprobs: int, path: int) -> tuple[SampleOutput, dict, jax.Array]:
+                   donate_argnames=("cache", "last_tokens", "tables"), compiler_options=EXACT)
+def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, tables: SamplingTables, buffer: jax.Array,
+                 sampling: jax.Array, *, layout: Layout, sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh,
+                 kernels: str, steps: int, num_top_logprobs: int, path: int
+                 ) -> tuple[SampleOutput, dict, jax.Array, SamplingTables]:
     """`steps` decode steps of a batch of one-token requests, each step's sampled tokens the next one's inputs, in
     one program: one call from the host for several tokens, where a small batch's step costs the host more to issue
     than the GPU to run. The forward and the sampler of a step are those of `forward` and `sample_step`, and a row
-    draws the numbers it would draw over that many single steps (SamplingTensors.rng_step). Returns (SampleOutput
-    with a leading axis of steps, the cache, last_tokens holding the last step's tokens)."""
+    draws as it would over that many single steps (sampler.next_step: its key, its min_tokens clock; its penalty
+    counts updated every step). Returns (SampleOutput with a leading axis of steps, the cache, last_tokens holding
+    the last step's tokens, the tables)."""
     tokens, batch, sample_index = step_batch(buffer, layout, last_tokens)
     tensors = sampling_tensors(sampling, sampling_layout)
     live = batch.query_len > 0
@@ -282,32 +304,33 @@ def decode_steps(params: dict, cache: dict, last_tokens: jax.Array, buffer: jax.
     ops = ops_for_mesh(cfg, mesh, kernels)
 
     def one(j, carry):
-        cache, tokens, outs = carry
+        cache, tables, tokens, outs = carry
         moved = batch._replace(positions=batch.positions + j * batch.token_valid,
                                context_len=batch.context_len + j * live)
         logits, cache = decoder.forward(params, cache, tokens, moved, cfg, ops, sample_index)
         logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
-        rng = tensors.rng + jnp.uint32(j) * tensors.rng_step
-        out, _ = sample(logits, tensors._replace(rng=rng), None, num_top_logprobs=num_top_logprobs, path=path)
+        out, tables = sample(logits, next_step(tensors, j), tables, num_top_logprobs=num_top_logprobs, path=path)
         outs = jax.tree.map(lambda stacked, new: stacked.at[j].set(new), outs, out)
-        return cache, tokens.at[at].set(out.tokens, mode="drop"), outs
+        return cache, tables, tokens.at[at].set(out.tokens, mode="drop"), outs
 
     requests = batch.query_len.shape[0]
     outs = SampleOutput(jnp.zeros((steps, requests), jnp.int32), jnp.zeros((steps, requests), jnp.float32),
                         jnp.zeros((steps, requests, num_top_logprobs), jnp.int32),
                         jnp.zeros((steps, requests, num_top_logprobs), jnp.float32))
-    cache, _, outs = jax.lax.fori_loop(0, steps, one, (cache, tokens, outs))
-    return outs, rules.constrain_cache(cfg, mesh, cache), last_tokens.at[:requests].set(outs.tokens[steps - 1])
+    cache, tables, _, outs = jax.lax.fori_loop(0, steps, one, (cache, tables, tokens, outs))
+    return (outs, rules.constrain_cache(cfg, mesh, cache), last_tokens.at[:requests].set(outs.tokens[steps - 1]),
+            tables)
 
 
 # ---- speculative decoding ------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("layout", "sampling_layout", "cfg", "mesh", "kernels", "draft_len",
                                              "rounds", "num_top_logprobs", "path"),
-                   donate_argnames=("cache", "last_tokens", "drafts", "emitted"), compiler_options=EXACT)
+                   donate_argnames=("cache", "last_tokens", "drafts", "emitted", "tables"), compiler_options=EXACT)
 def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.Array, emitted: jax.Array,
-                buffer: jax.Array, sampling: jax.Array, *, layout: Layout, sampling_layout: Layout, cfg: ModelConfig,
-                mesh: Mesh, kernels: str, draft_len: int, rounds: int, num_top_logprobs: int, path: int
-                ) -> tuple[VerifyOutput, dict, jax.Array, jax.Array, jax.Array]:
+                tables: SamplingTables, buffer: jax.Array, sampling: jax.Array, *, layout: Layout,
+                sampling_layout: Layout, cfg: ModelConfig, mesh: Mesh, kernels: str, draft_len: int, rounds: int,
+                num_top_logprobs: int, path: int
+                ) -> tuple[VerifyOutput, dict, jax.Array, jax.Array, jax.Array, SamplingTables]:
     """`rounds` rounds of speculative decoding over decoding requests in one program. In each, a request runs its
     last token (at first from the host or `last_tokens`, as in `forward`; then the last one it emitted) and
     draft_len drafts (at first the first draft_len of row draft_source[r] of `drafts` [S, D]; then the head's) as
@@ -318,7 +341,8 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
     Returns (VerifyOutput with each request's emitted tokens first in its row [R, rounds * (draft_len + 1)] and
     num_emitted [R, rounds] each round's count, 0 for padding requests; the cache; last_tokens with row r the
     request's last emitted token; drafts with row r its next drafts; `emitted` [S] with row r its tokens emitted in
-    all rounds, which the next step, planned before this one is read back, catches up by: stage_behind)."""
+    all rounds, which the next step, planned before this one is read back, catches up by: stage_behind; the tables
+    with the emitted tokens counted)."""
     tokens, batch, _ = step_batch(buffer, layout, last_tokens)
     draft_source = unpack(buffer, layout)["draft_source"]
     requests, size = batch.query_len.shape[0], tokens.shape[0]
@@ -332,7 +356,7 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
     width = rounds * (draft_len + 1)
 
     def one(i, carry):
-        cache, last, proposed, emitted_before, out = carry
+        cache, tables, last, proposed, emitted_before, out = carry
         step_tokens = tokens.at[to[:, 0]].set(last, mode="drop").at[to[:, 1:]].set(proposed[:, :draft_len],
                                                                                     mode="drop")
         moved = batch._replace(positions=batch.positions + emitted_before[batch.token_request] * batch.token_valid,
@@ -340,10 +364,10 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
         logits, cache, hidden, pending = decoder.forward(params, cache, step_tokens, moved, cfg, ops,
                                                          return_hidden=True, draft_len=draft_len)
         logits = jax.lax.with_sharding_constraint(logits[jnp.where(live[:, None], at, 0)], replicated(mesh))
-        # each position draws with the key of the output token it is: the row's count so far, as plain decoding
-        rng = tensors.rng + emitted_before[:, None].astype(jnp.uint32) * tensors.rng_step
-        verified = verify(logits, proposed[:, :draft_len], tensors._replace(rng=rng),
-                          num_top_logprobs=num_top_logprobs, path=path)
+        # each position draws as the output token it is: the row's count so far, as plain decoding
+        verified, counts = verify(logits, proposed[:, :draft_len], next_step(tensors, emitted_before), tables,
+                                  num_top_logprobs=num_top_logprobs, path=path)
+        tables = tables._replace(counts=counts)
         emitted = jnp.where(live, verified.num_emitted, 0)
         cache = decoder.commit_verified_layers(cache, pending, moved, emitted, ops)
         last = verified.tokens[rows, jnp.maximum(emitted - 1, 0)]
@@ -358,16 +382,16 @@ def verify_step(params: dict, cache: dict, last_tokens: jax.Array, drafts: jax.A
             out.logprobs.at[rows[:, None], place].set(verified.logprobs, mode="drop"),
             out.top_ids.at[rows[:, None], place].set(verified.top_ids, mode="drop"),
             out.top_logprobs.at[rows[:, None], place].set(verified.top_logprobs, mode="drop"))
-        return cache, last, proposed, emitted_before + emitted, out
+        return cache, tables, last, proposed, emitted_before + emitted, out
 
     out = VerifyOutput(jnp.full((requests, width), -1, jnp.int32), jnp.zeros((requests, rounds), jnp.int32),
                        jnp.zeros((requests, width), jnp.float32),
                        jnp.zeros((requests, width, num_top_logprobs), jnp.int32),
                        jnp.zeros((requests, width, num_top_logprobs), jnp.float32))
-    carry = (cache, tokens[batch.query_start], drafts[draft_source], jnp.zeros(requests, jnp.int32), out)
-    cache, last, proposed, total, out = jax.lax.fori_loop(0, rounds, one, carry)
+    carry = (cache, tables, tokens[batch.query_start], drafts[draft_source], jnp.zeros(requests, jnp.int32), out)
+    cache, tables, last, proposed, total, out = jax.lax.fori_loop(0, rounds, one, carry)
     return (out, rules.constrain_cache(cfg, mesh, cache), last_tokens.at[:requests].set(last),
-            drafts.at[:requests].set(proposed), emitted.at[:requests].set(total))
+            drafts.at[:requests].set(proposed), emitted.at[:requests].set(total), tables)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "mesh", "kernels", "draft_len"),
@@ -417,16 +441,29 @@ def draft(params: dict, cache: dict, hidden: jax.Array, following: jax.Array, la
 
 # ---- the sampler ----------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("layout", "num_top_logprobs", "path"),
-                   donate_argnames=("last_tokens", "counts"))
-def sample_step(logits: jax.Array, buffer: jax.Array, last_tokens: jax.Array, counts: jax.Array | None, *,
+                   donate_argnames=("last_tokens", "tables"))
+def sample_step(logits: jax.Array, buffer: jax.Array, last_tokens: jax.Array, tables: SamplingTables, *,
                 layout: Layout, num_top_logprobs: int, path: int
-                ) -> tuple[SampleOutput, jax.Array, jax.Array | None]:
+                ) -> tuple[SampleOutput, jax.Array, SamplingTables]:
     """Sample each request's next token (engine/sampler.py) from the forward's logits, with the SamplingTensors
     packed in `buffer`. Returns (SampleOutput [R], last_tokens with its first R rows these tokens, for the next
-    step's forward, the penalty counts). last_tokens is written in place."""
+    step's forward, the tables with the penalised rows' tokens counted). last_tokens is written in place."""
     tensors = sampling_tensors(buffer, layout)
-    out, counts = sample(logits, tensors, counts, num_top_logprobs=num_top_logprobs, path=path)
-    return out, last_tokens.at[:out.tokens.shape[0]].set(out.tokens), counts
+    out, tables = sample(logits, tensors, tables, num_top_logprobs=num_top_logprobs, path=path)
+    return out, last_tokens.at[:out.tokens.shape[0]].set(out.tokens), tables
+
+
+@functools.partial(jax.jit, donate_argnames=("tables",))
+def reset_penalties(tables: SamplingTables, rows: jax.Array, token_ids: jax.Array, num_prompt: jax.Array,
+                    num_tokens: jax.Array) -> SamplingTables:
+    """The penalty counts of sequences entering the batch (sampler.init_penalty_rows)."""
+    return tables._replace(counts=init_penalty_rows(tables.counts, rows, token_ids, num_prompt, num_tokens))
+
+
+@functools.partial(jax.jit, static_argnames=("table",), donate_argnames=("tables",))
+def write_table(tables: SamplingTables, rows: jax.Array, values: jax.Array, *, table: str) -> SamplingTables:
+    """Rows `rows` of one table ("bias", "banned" or "masks") set to `values` (padding rows name none)."""
+    return tables._replace(**{table: write_rows(getattr(tables, table), rows, values)})
 
 
 @functools.partial(jax.jit, donate_argnames=("inputs",))
@@ -443,8 +480,8 @@ def stage_behind(inputs: jax.Array, new: jax.Array, sampling: jax.Array, emitted
                  sampling_layout: Layout) -> tuple[jax.Array, jax.Array]:
     """stage_inputs for a step planned while a verify program was still in flight, which therefore counted each
     request of it as `Behind` says: (the inputs buffer with each such request's positions and context length moved
-    back by the drafts that program rejected, the sampling buffer with a seeded request's counter moved on by the
-    tokens it emitted past one a round). `emitted` [S]: each row's tokens emitted by that program (verify_step's)."""
+    back by the drafts that program rejected, the sampling buffer with a seeded request's counter moved on, and its
+    min_tokens clock run down, by the tokens it emitted past one a round). `emitted` [S]: each row's tokens emitted by that program (verify_step's)."""
     a = unpack(new, layout)
     behind = a["behind_row"] >= 0
     made = emitted[jnp.maximum(a["behind_row"], 0)]
@@ -452,9 +489,11 @@ def stage_behind(inputs: jax.Array, new: jax.Array, sampling: jax.Array, emitted
     new = _replace(new, layout, "positions", a["positions"] - over[a["token_request"]] * a["token_valid"])
     new = _replace(new, layout, "context_len", a["context_len"] - over)
     s = unpack(sampling, sampling_layout)
-    late = jnp.where(behind, made - a["behind_counted"], 0).astype(jnp.uint32)  # output tokens not counted yet
-    rng = s["rng"].at[:, 2].add(late * s["rng_step"][:, 2])  # the counter of a seeded row (unseeded: step 0 there)
-    return inputs.at[:].set(new), _replace(sampling, sampling_layout, "rng", rng)
+    late = jnp.where(behind, made - a["behind_counted"], 0)  # output tokens not counted yet
+    rng = s["rng"].at[:, 2].add(late.astype(jnp.uint32) * s["rng_step"][:, 2])  # a seeded row's counter (unseeded:
+    # step 0 there)
+    sampling = _replace(sampling, sampling_layout, "rng", rng)
+    return inputs.at[:].set(new), _replace(sampling, sampling_layout, "ban_until", s["ban_until"] - late)
 
 
 def _replace(buffer: jax.Array, layout: Layout, name: str, value: jax.Array) -> jax.Array:
@@ -464,9 +503,6 @@ def _replace(buffer: jax.Array, layout: Layout, name: str, value: jax.Array) -> 
     if flat.dtype != jnp.int32:
         flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
     return buffer.at[offset:offset + math.prod(shape)].set(flat)
-
-
-init_penalties = jax.jit(init_penalty_rows, donate_argnames=("counts",))
 
 
 # ---- prefix-cache snapshots -----------------------------------------------------------------------------------------

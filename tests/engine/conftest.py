@@ -88,12 +88,12 @@ def assert_idle(llm: LLM) -> None:
 
 
 def compile_counts(llm: LLM) -> dict[str, int]:
-    """Programs compiled so far: `llm`'s forwards, and the entries in the compile caches of the other programs."""
-    return {"forward": sum(r.runner.num_forwards for r in llm.engine.replicas),
-            "stage": sum(r.runner.num_stagers for r in llm.engine.replicas),
-            "sample": step.sample_step._cache_size(),
-            "restore": step.restore_snapshots._cache_size(), "save": step.save_snapshots._cache_size(),
-            "penalties": step.init_penalties._cache_size()}
+    """Programs compiled so far: the programs compiled into `llm`'s tables, and the entries in the compile caches of
+    every step program (the tables' fallbacks)."""
+    jitted = (step.forward, step.sample_step, step.decode_steps, step.verify_step, step.draft_step, step.stage_inputs,
+              step.stage_behind, step.restore_snapshots, step.save_snapshots, step.reset_penalties, step.write_table)
+    return {"compiled": sum(len(r.runner.programs.compiled) for r in llm.engine.replicas),
+            **{fn.__name__: fn._cache_size() for fn in jitted}}
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,8 @@ from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
 from qwen_jax import LLM, SamplingParams
 from qwen_jax.config import load_config
-from qwen_jax.engine import buckets
+from qwen_jax.engine import buckets, step
+from qwen_jax.engine import replica as replica_module
 from qwen_jax.engine.replica import VERIFY_STATES_SHARE
 from qwen_jax.models.decoder import cache_shapes
 from qwen_jax.sampling_params import StructuredOutputsParams
@@ -77,13 +78,16 @@ class CompileCounter:
 
 
 def varied_workload(kit, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Prompts of many lengths (prefill chunks, decode rows, batches of 1 to max_num_seqs) under every sampler path
-    the engine compiles ahead: greedy, temperature, top-k (lax.top_k), top-p and min-p (the full sort), seeds, top
-    logprobs, repetition / presence / frequency penalties."""
-    lengths = (3, 40, 17, 52, 9, 33, 1, 25)
-    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=5, seed=seed),
-             dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, logprobs=3), dict(temperature=0.5, min_p=0.1),
-             dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5), dict(temperature=0.0)]
+    """Prompts of many lengths (prefill chunks, decode rows, batches of 1 to max_num_seqs) under every sampling
+    setting: greedy, temperature, a checkpoint's generation_config (top-k 20 with top-p 0.95), top-k, top-p alone,
+    min-p, seeds, logprobs and top logprobs, logit_bias, repetition / presence / frequency penalties, min_tokens."""
+    lengths = (3, 40, 17, 52, 9, 33, 1, 25, 12, 7)
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=20, top_p=0.95),
+             dict(temperature=0.8, top_k=5, seed=seed), dict(temperature=0.7, top_p=0.9),
+             dict(temperature=1.0, logprobs=3), dict(temperature=0.5, min_p=0.1, logprobs=0),
+             dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+             dict(temperature=1.0, logit_bias={7: 2.5, 30: -100.0}, frequency_penalty=0.4, seed=seed + 1),
+             dict(temperature=0.9, top_k=20, top_p=0.95, min_tokens=4)]
     prompts = [kit.prompt(n, seed=seed + n) for n in lengths]
     params = [SamplingParams(max_tokens=6, ignore_eos=True, **kind) for kind in kinds]
     return prompts, params
@@ -92,41 +96,50 @@ def varied_workload(kit, seed: int) -> tuple[list[list[int]], list[SamplingParam
 @pytest.mark.parametrize("speculative_config", [None, "off"])
 def test_after_a_full_warm_up_a_varied_workload_compiles_nothing(hybrid_mtp_dir, kit, speculative_config,
                                                                  monkeypatch):
-    """Ready means full speed: once warmup(full=True) has run, serving never compiles, whatever the batch (sizes 1
-    to max_num_seqs, prefill chunks beside decode rows, several decode steps a program, verify steps) and whatever
-    its sampling. The runner is told it is on an accelerator, where only the common samplers go into the several-step
-    and verify programs (others run single plain steps). The warm-up also built the grammar engine's vocabulary, so
-    the first constrained request does not build it."""
+    """Ready means full speed: once warmup(full=True) has run, serving never compiles and never falls back to a
+    program the table lacks, whatever the batch (sizes 1 to max_num_seqs, prefill chunks beside decode rows, several
+    decode steps a program, verify steps) and whatever its sampling: every setting runs the several-step and verify
+    programs compiled ahead. A greedy logit_bias request alone, which once compiled a verify step while serving,
+    runs them too. The warm-up also built the grammar engine's vocabulary, so the first constrained request does not
+    build it."""
     vocabularies = []
     build = llguidance.LLTokenizer
     monkeypatch.setattr(llguidance, "LLTokenizer", lambda *a, **k: vocabularies.append(1) or build(*a, **k))
+    monkeypatch.setattr(replica_module, "DECODE_STEPS_MAX_ROWS", 2)  # several decode steps a program for 1-2 rows
     counter = CompileCounter()
     prompts_seen = [speculative_config]
     llm = LLM(hybrid_mtp_dir, speculative_config=speculative_config, num_scheduler_steps=4, **kit.ENGINE_ARGS)
     runner = llm.engine.replicas[0].runner
-    runner.on_accelerator = True
-    runner.decode_steps_max_rows = 2  # several decode steps a program for batches of 1 and 2 rows
     llm.engine.warmup(full=True)
-    assert runner.num_forwards == len(runner.token_buckets)
+    assert not runner.programs.missing(runner.shapes.catalog(runner.shapes.token_buckets))
     counter.on = True
     jax.jit(lambda x: x + 1)(np.arange(len(prompts_seen)))  # the counter sees a compile
     assert counter.count == 1
     counter.count = 0
+    steps = []
+    monkeypatch.setattr(runner, "executor", lambda ops, run=runner.executor: steps.append(ops) or run(ops))
     for seed in (900, 950):
         prompts, params = varied_workload(kit, seed)
         outs = llm.generate(prompts, params)
         assert [len(o.token_ids) for o in outs] == [6] * len(prompts)
-        one = llm.generate(prompts[:1], params[:1])  # a batch of one: several decode steps a program
-        assert len(one[0].token_ids) == 6
+        for i, p in enumerate(params):  # one request alone: several decode steps, or verify rounds
+            assert len(llm.generate(prompts[i:i + 1], p)[0].token_ids) == 6
         pair = llm.generate(prompts[:2], [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 2)
         assert [len(o.token_ids) for o in pair] == [12, 12]
-    assert counter.count == 0
+    biased = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={5: 1.0}, ignore_eos=True)
+    assert len(llm.generate(prompts[:1], biased)[0].token_ids) == 10
+    assert counter.count == 0 and llm.engine.stats()["program_fallbacks_total"] == 0
+    several = {type(op).__name__ for ops in steps for op in ops if isinstance(op, step.DecodeSteps | step.Verify)}
+    assert several == ({"Verify", "DecodeSteps"} if speculative_config is None else {"DecodeSteps"})
+    multi = [op for ops in steps for op in ops if isinstance(op, step.DecodeSteps | step.Verify)]
+    assert {(op.path, op.top) for op in multi} == {(1, 0), (2, 20)}  # both model variants served rows
     if speculative_config is None:
         assert llm.engine.stats()["spec_verified_rows_total"] > 0  # verify steps ran, compiled ahead
     assert vocabularies == [1]
     constrained = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{1,6}"))
     assert re.fullmatch("[ab]{1,6}", llm.generate([[17, 301, 45]], constrained)[0].text)
     assert vocabularies == [1]
+    assert counter.count == 0 and llm.engine.stats()["program_fallbacks_total"] == 0
     kit.assert_idle(llm)
 
 
@@ -151,6 +164,6 @@ def test_the_memory_plan_refuses_at_start_what_cannot_fit(hybrid_mtp_dir, kit, m
     with pytest.raises(ValueError, match=r"the step program (\S+) needs .* working memory.*lower --max-num-batched-"
                                          r"tokens") as refused:
         llm.engine.warmup(full=False)
-    working = replica.runner.compiler.working_bytes
+    working = replica.compiler.working_bytes
     largest = max(working, key=working.__getitem__)
     assert working[largest] > 1024 and str(refused.value).startswith(f"the step program {largest} needs")
