@@ -25,7 +25,7 @@ from qwen_jax.engine.model_files import eos_ids, read_model_config, resolve_max_
 from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
-from qwen_jax.engine.sequence import Sequence, Status
+from qwen_jax.engine.sequence import CoreOutput, Sequence, Status
 from qwen_jax.engine.speculative import MAX_DRAFTS, VerifyOutput, parse_speculative_config
 from qwen_jax.layers.hot_ops import resolve_kernels
 from qwen_jax.outputs import TokenLogprob
@@ -96,22 +96,6 @@ def engine_args(given: dict) -> dict:
     if unknown:
         raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
     return {**ENGINE_ARGS, **{k: v for k, v in given.items() if v is not None}}
-
-
-@dataclasses.dataclass
-class CoreOutput:
-    """What one step did for one request: its new tokens (and their logprobs), and whether it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
-    stop_reason: int | str | None = None  # the EOS / stop token id that ended it
-    eos: bool = False  # the last new token is an EOS that ended the request: it is not part of the text
-    num_cached_tokens: int = 0
-    error: str | None = None  # finish_reason "error": what went wrong with this request alone
-    rejected: bool = False  # the error is the request's own (refused on arrival), not a failure while it ran
-    queue_seconds: float | None = None  # how long it waited to be first scheduled
 
 
 @dataclasses.dataclass

@@ -1,13 +1,16 @@
-"""Sequence: one request's state inside the engine core (tokens, memory it holds, progress, tokens in flight).
+"""Sequence: one request's state inside the engine core (tokens, memory it holds, progress, tokens in flight), and
+CoreOutput: what one step did for it, as the core sends it to the front.
 
 Plain host-side data; the scheduler and the core mutate it, nothing here touches devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 
+from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 
 
@@ -79,3 +82,19 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+
+@dataclasses.dataclass
+class CoreOutput:
+    """What one step did for one request: its new tokens (and their logprobs), and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the EOS / stop token id that ended it
+    eos: bool = False  # the last new token is an EOS that ended the request: it is not part of the text
+    num_cached_tokens: int = 0
+    error: str | None = None  # finish_reason "error": what went wrong with this request alone
+    rejected: bool = False  # the error is the request's own (refused on arrival), not a failure while it ran
+    queue_seconds: float | None = None  # how long it waited to be first scheduled
