@@ -243,9 +243,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params)
-        if params.structured_outputs is not None:  # compiled here (cached); a schema seen before takes no time
-            seq.grammar = self.grammars.matcher(params.structured_outputs)
+        # a structured output's grammar is compiled here (cached): a schema seen before takes no time
+        matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
+        seq = Sequence(request_id, prompt_token_ids, params, matcher)
         replica = min(self.replicas, key=lambda r: r.num_unfinished)  # the least busy (ties: the lowest index)
         replica.add(seq)
         self.seqs[request_id] = seq

@@ -121,7 +121,6 @@ class Scheduler:
         self._free(seq)
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

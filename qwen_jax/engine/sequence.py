@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qwen_jax.engine.grammar import RequestGrammar
 
 
 class Status(enum.Enum):
@@ -21,7 +25,9 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 grammar: RequestGrammar | None = None):
+        """`grammar`: a structured output's matcher (engine/grammar.py), fed each token read back."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -41,10 +47,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.arrival_time = time.time()
         self.scheduled_time: float | None = None  # first admitted to the running batch
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
-        self.num_preemptions = 0
-        self.grammar = None  # structured outputs: its RequestGrammar (engine/grammar.py), fed each token read back
+        self.grammar = grammar
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Known tokens [start, end) of prompt + output (pending ones are not known yet), without building the whole
