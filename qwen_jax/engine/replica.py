@@ -64,7 +64,7 @@ class Replica:
                              if args["enable_prefix_caching"] else None)
         policy = DraftPolicy(spec, self.max_verify_tokens) if spec.num_drafts else None
         self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.prefix_cache, max_model_len, policy)
+                                   self.prefix_cache, max_model_len, policy, eos_token_ids)
         steps = args["num_scheduler_steps"]
         if steps is None:
             steps = DECODE_STEPS if jax.default_backend() == "gpu" else 1
@@ -183,5 +183,8 @@ class Replica:
             "state_slots_used": slots.num_slots - 1 - slots.num_free, "state_slots_total": slots.num_slots - 1,
             "prefix_cache_queries": cache.queries if cache else 0, "prefix_cache_hits": cache.hits if cache else 0,
             "step_device_wait_seconds_total": self.runner.device_wait_seconds,
-            "num_preemptions_total": s.num_preemptions,
+            "num_preemptions_total": s.num_preemptions, "generation_tokens_total": s.num_generated_tokens,
+            "spec_verified_rows_total": s.spec_rows, "spec_drafted_tokens_total": s.spec_drafted,
+            "spec_accepted_tokens_total": s.spec_accepted,
+            "spec_accepted_tokens_per_position": list(s.spec_accepted_at),
         }

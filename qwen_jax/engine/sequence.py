@@ -1,7 +1,8 @@
 """Sequence: one request's state inside the engine core (tokens, memory it holds, progress, tokens in flight), and
 CoreOutput: what one step did for it, as the core sends it to the front.
 
-Plain host-side data; the scheduler and the core mutate it, nothing here touches devices.
+Plain host-side data that only the scheduler writes once it is made (but for sample_row, which the runner sets as it
+lays a step out); nothing here touches devices.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache, or will be once the steps issued run
         self.num_pending = 0  # tokens sampled by steps issued but not read back yet (their ids still on the device)
         # Drafts that verify programs not read back yet booked as computed, past one token a round: some of them
-        # are emitted too, the rest rejected (the core takes those back from num_computed_tokens).
+        # are emitted too, the rest rejected (the scheduler takes those back from num_computed_tokens).
         self.num_unverified = 0
         self.sample_row = 0  # the row of this sequence's last sampled token in the last step that sampled for it
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (last admission)
