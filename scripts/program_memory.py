@@ -58,7 +58,8 @@ def main() -> None:
         return dict(name=key.name, temp_gib=round(working_bytes(compiled) / 2**30, 3),
                     argument_gib=round(analysis.argument_size_in_bytes / 2**30, 3),
                     output_gib=round(analysis.output_size_in_bytes / 2**30, 3),
-                    alias_gib=round(analysis.alias_size_in_bytes / 2**30, 3), seconds=round(time.perf_counter() - start, 1))
+                    alias_gib=round(analysis.alias_size_in_bytes / 2**30, 3),
+                    seconds=round(time.perf_counter() - start, 1))
 
     rows = []
     with ThreadPoolExecutor(a.threads) as pool:

@@ -49,7 +49,7 @@ def main() -> None:
     for rows in map(int, args.rows.split(",")):
         logits = jax.random.normal(jax.random.key(0), (rows, vocab), jnp.float32) * 4
 
-        def noisy(i):  # fresh logits each call, so nothing is hoisted out of the loop
+        def noisy(i, logits=logits):  # fresh logits each call, so nothing is hoisted out of the loop
             return logits + i.astype(jnp.float32) * 1e-3
 
         row = {"rows": rows}

@@ -249,9 +249,9 @@ class Compiler:
                 yield future.result()
 
     def _from_workers(self, jobs: list[ProgramKey], workers: int, part: tuple[int, int]):
-        """(key, compiled, seconds, working bytes) of each program (job) as compile worker processes store it, serialized, in
-        the program store (program_store); this core's share of them is compiled by workers started here;
-        LOAD_THREADS threads load the stored programs."""
+        """(key, compiled, seconds, working bytes) of each program (job) as compile worker processes store it,
+        serialized, in the program store (program_store); this core's share of them is compiled by workers started
+        here; LOAD_THREADS threads load the stored programs."""
         store = self.program_store()
         if self._begun is not None:  # started before the weights were read (begin)
             mine, processes = self._begun

@@ -1,8 +1,9 @@
 """EngineCore: the engine's device side. It builds one Replica (scheduler + runner on its own devices) per
 data-parallel replica, takes requests, and runs the step loop one step ahead of the device: it plans and issues step
-N+1, then reads back step N's tokens and applies them (EOS, stop token ids, max_tokens, max_model_len). Step N+1 may
-follow a verify program N whose outcome (how many drafts each row accepted) is not known yet: the host books every
-draft and the device moves N+1's positions back by what N rejected (runner.step_inputs, step.stage_behind).
+N+1, then reads back step N's tokens, which the replica's scheduler applies (Scheduler.update_from_output: tokens,
+stops, counters); the core keeps only its maps of the requests it runs. Step N+1 may follow a verify program N whose
+outcome (how many drafts each row accepted) is not known yet: the host books every draft and the device moves N+1's
+positions back by what N rejected (runner.step_inputs, step.stage_behind).
 
 It emits per-request token outputs (CoreOutput) and never detokenizes: text, stop strings and RequestOutputs are the
 front's (engine/output_processor.py). It runs in its own process under the server (engine/core_client.py) or in the
@@ -25,10 +26,9 @@ from qwen_jax.engine.model_files import eos_ids, read_model_config, resolve_max_
 from qwen_jax.engine.replica import Replica
 from qwen_jax.engine.sampler import SampleOutput
 from qwen_jax.engine.scheduler import Row
-from qwen_jax.engine.sequence import Sequence, Status
-from qwen_jax.engine.speculative import MAX_DRAFTS, VerifyOutput, parse_speculative_config
+from qwen_jax.engine.sequence import CoreOutput, Sequence
+from qwen_jax.engine.speculative import parse_speculative_config
 from qwen_jax.layers.hot_ops import resolve_kernels
-from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 from qwen_jax.weights import TensorSource, dummy_params, echo_params, load_params, open_checkpoint, resolve_mtp
 from sharding import distributed, mesh, rules
@@ -96,22 +96,6 @@ def engine_args(given: dict) -> dict:
     if unknown:
         raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
     return {**ENGINE_ARGS, **{k: v for k, v in given.items() if v is not None}}
-
-
-@dataclasses.dataclass
-class CoreOutput:
-    """What one step did for one request: its new tokens (and their logprobs), and whether it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
-    stop_reason: int | str | None = None  # the EOS / stop token id that ended it
-    eos: bool = False  # the last new token is an EOS that ended the request: it is not part of the text
-    num_cached_tokens: int = 0
-    error: str | None = None  # finish_reason "error": what went wrong with this request alone
-    rejected: bool = False  # the error is the request's own (refused on arrival), not a failure while it ran
-    queue_seconds: float | None = None  # how long it waited to be first scheduled
 
 
 @dataclasses.dataclass
@@ -204,15 +188,10 @@ class EngineCore:
         self._replica_of: dict[str, Replica] = {}  # request -> the replica it runs on, for its whole life
         self._in_flight: list[_InFlight] = []
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time of step(): planning, issuing, waiting, applying tokens
         self.plan_seconds = 0.0  # of which scheduling, building and issuing the next step
         self.dispatch_seconds = 0.0  # of which the calls that issue its programs
-        # speculative decoding: rows verified, drafts proposed to them, drafts accepted (acceptance length: 1 +
-        # accepted / verified rows tokens a row a step), and of the accepted, how many were a row's j-th draft
-        self.spec_rows = self.spec_drafted = self.spec_accepted = 0
-        self.spec_accepted_at = [0] * MAX_DRAFTS
         # $QWEN_JAX_STEP_TRACE: a file that gets one JSON line per step (its plan, host times and device wait), to
         # see where a served workload's time goes step by step.
         trace = os.environ.get("QWEN_JAX_STEP_TRACE")
@@ -259,9 +238,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params)
-        if params.structured_outputs is not None:  # compiled here (cached); a schema seen before takes no time
-            seq.grammar = self.grammars.matcher(params.structured_outputs)
+        # a structured output's grammar is compiled here (cached): a schema seen before takes no time
+        matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
+        seq = Sequence(request_id, prompt_token_ids, params, matcher)
         replica = min(self.replicas, key=lambda r: r.num_unfinished)  # the least busy (ties: the lowest index)
         replica.add(seq)
         self.seqs[request_id] = seq
@@ -302,9 +281,10 @@ class EngineCore:
     # ---- the loop --------------------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
         """Plan and issue the next step of every replica that has work, then read back the step issued before it
-        and apply its tokens: the device always has the next step queued while the host works on the last one.
-        A request that ends at step N has one more token computed in step N+1, which is dropped. Anything that
-        raises while one request's share of a step is built or applied fails that request alone (`_fail`).
+        and have the scheduler apply its tokens: the device always has the next step queued while the host works on
+        the last one. A request that ends at step N has one more token computed in step N+1, which is dropped.
+        Anything that raises while one request's share of a step is built or applied fails that request alone
+        (Scheduler.fail).
         A replica whose last step sampled for a request under a grammar reads it back before planning the next (the
         request's next mask needs that token), as vLLM does; other batches keep the step ahead, verify programs
         included (the next step catches up on the device on what the one before it accepted)."""
@@ -365,97 +345,21 @@ class EngineCore:
             culprits = replica.runner.failing_rows(rows, verifying)
             if not culprits:
                 raise
-        failed = [self._fail(replica, row.seq, exc) for row, exc in culprits]
+        failed = self._forget([replica.scheduler.fail(row.seq, exc) for row, exc in culprits])
         rows = [row for row in rows if row.seq.request_id not in {out.request_id for out in failed}]
         return rows, replica.runner.prepare(rows, head, verifying) if rows else None, failed
 
-    def _fail(self, replica: Replica, seq: Sequence, exc: Exception) -> CoreOutput:
-        """End one request because handling it raised: its client gets the error, every other request goes on."""
-        log.error("request %s failed in the engine core", seq.request_id, exc_info=exc)
-        if self.seqs.pop(seq.request_id, None) is not None:
-            self._replica_of.pop(seq.request_id)
-            replica.finish(seq, "error")
-        return CoreOutput(seq.request_id, [], finish_reason="error", num_cached_tokens=seq.num_cached_tokens,
-                          error=f"the engine failed on this request: {type(exc).__name__}: {exc}")
-
     def _apply(self, step: _InFlight) -> list[CoreOutput]:
-        host = step.replica.runner.fetch(step.out)
-        emitted = None
-        if isinstance(host, VerifyOutput):  # [requests, positions] -> [positions, requests], as several steps give
-            emitted = host.num_emitted  # [requests, rounds]
-            host = SampleOutput(host.tokens.T, host.logprobs.T, host.top_ids.transpose(1, 0, 2),
-                                host.top_logprobs.transpose(1, 0, 2))
-        elif host.tokens.ndim == 1:  # one step; several in one program give [steps, requests]
-            host = SampleOutput(*(a[None] for a in host))
-        outputs = []
-        for i, row in enumerate(step.rows):
-            if not row.samples:
-                continue
-            row.seq.num_pending -= row.steps
-            count = row.steps
-            if emitted is not None:  # the step booked every draft as computed; the rejected ones were not
-                rounds = [int(n) for n in emitted[i]]
-                count = sum(rounds)
-                row.seq.num_unverified -= row.steps * row.drafts
-                if row.seq.status == Status.RUNNING:  # not preempted since (that set its count to 0)
-                    row.seq.num_computed_tokens -= row.steps * (row.drafts + 1) - count
-                self.spec_rows += row.steps
-                self.spec_drafted += row.steps * row.drafts
-                self.spec_accepted += count - row.steps
-                for n in rounds:  # a round's accepted drafts are its first n - 1
-                    for j in range(n - 1):
-                        self.spec_accepted_at[j] += 1
-                step.replica.scheduler.speculation.record(row.drafts, rounds)
-            try:
-                out = self._apply_row(step.replica, row, host, i, count)
-            except Exception as exc:
-                out = self._fail(step.replica, row.seq, exc)
-            if out is not None:
-                outputs.append(out)
+        """Read an issued step back and have its replica's scheduler apply it."""
+        return self._forget(step.replica.scheduler.update_from_output(step.rows, step.replica.runner.fetch(step.out)))
+
+    def _forget(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
+        """Drop the requests these outputs end (the scheduler has finished them) from the core's maps."""
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.seqs.pop(out.request_id, None)
+                self._replica_of.pop(out.request_id, None)
         return outputs
-
-    def _apply_row(self, replica: Replica, row: Row, host: SampleOutput, i: int, count: int) -> CoreOutput | None:
-        """Append row i's `count` sampled tokens to its sequence and apply the stop rules; its output (None when it
-        had ended before this step came back)."""
-        seq = row.seq
-        tokens, logprobs = [], [] if seq.params.logprobs is not None else None
-        out = None
-        for j in range(count):
-            if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
-                break
-            token = int(host.tokens[j, i])
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
-            seq.output_token_ids.append(token)
-            self.generation_tokens_total += 1
-            tokens.append(token)
-            if logprobs is not None:
-                n = seq.params.logprobs
-                top = [(int(a), float(b)) for a, b in zip(host.top_ids[j, i][:n], host.top_logprobs[j, i][:n],
-                                                          strict=True)]
-                logprobs.append(TokenLogprob(token, float(host.logprobs[j, i]), top))
-            out = self._check_stop(replica, seq)
-        if out is not None:
-            out.new_token_ids, out.new_logprobs = tokens, logprobs
-        return out
-
-    def _check_stop(self, replica: Replica, seq: Sequence) -> CoreOutput:
-        """The token-level stop rules for the sequence's last token (stop strings are the front's): EOS and stop
-        token ids once min_tokens are out, max_tokens, max_model_len. The output's tokens are the caller's."""
-        params, token = seq.params, seq.output_token_ids[-1]
-        enough = len(seq.output_token_ids) >= params.min_tokens
-        eos = token in self.eos_token_ids and not params.ignore_eos and enough
-        out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens, queue_seconds=seq.queue_seconds)
-        if eos or (token in params.stop_token_ids and enough):
-            out.finish_reason, out.stop_reason, out.eos = "stop", token, eos
-        elif seq.grammar is not None and seq.grammar.is_terminated:  # its stop token: nothing more may follow
-            out.finish_reason, out.stop_reason, out.eos = "stop", token, token in self.eos_token_ids
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
-            out.finish_reason = "length"
-        if out.finish_reason is not None:
-            replica.finish(seq, out.finish_reason, out.stop_reason)
-            del self.seqs[seq.request_id], self._replica_of[seq.request_id]
-        return out
 
     # ---- several hosts ---------------------------------------------------------------------------------------
     @property
@@ -495,18 +399,17 @@ class EngineCore:
 
     # ---- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters summed over the replicas (Replica.stats has each replica's own)."""
-        totals: dict[str, int] = {}
+        """Counters summed over the replicas (Replica.stats has each replica's own; a list, position by position)."""
+        totals: dict = {}
         for replica in self.replicas:
             for key, value in replica.stats().items():
-                totals[key] = totals.get(key, 0) + value
+                if isinstance(value, list):
+                    totals[key] = [a + b for a, b in zip(totals.get(key, [0] * len(value)), value, strict=True)]
+                else:
+                    totals[key] = totals.get(key, 0) + value
         return {**totals, "steps_total": self.num_steps, "step_seconds_total": self.step_seconds,
                 "step_plan_seconds_total": self.plan_seconds, "step_dispatch_seconds_total": self.dispatch_seconds,
-                "spec_verified_rows_total": self.spec_rows, "spec_drafted_tokens_total": self.spec_drafted,
-                "spec_accepted_tokens_total": self.spec_accepted,
-                "spec_accepted_tokens_per_position": list(self.spec_accepted_at),
-                "prompt_tokens_total": self.prompt_tokens_total,
-                "generation_tokens_total": self.generation_tokens_total}
+                "prompt_tokens_total": self.prompt_tokens_total}
 
 
 def _host_output(runner, out: SampleOutput | None) -> list | None:

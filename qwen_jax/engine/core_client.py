@@ -26,6 +26,7 @@ from collections.abc import Callable
 import zmq
 
 from qwen_jax.engine.processes import CORE, INHERITED_CONFIG, set_process_name
+from qwen_jax.engine.sequence import CoreOutput
 
 log = logging.getLogger("qwen_jax")
 
@@ -81,8 +82,6 @@ def run_core(model_path: str, engine_args: dict, warmup: str, inputs: str, outpu
 
 
 def _serve(core, pull, send: Callable) -> None:
-    from qwen_jax.engine.core import CoreOutput
-
     last_stats = 0.0
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)

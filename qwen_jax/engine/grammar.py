@@ -102,7 +102,7 @@ def _message(error: Exception | str) -> str:
 
 class RequestGrammar:
     """One constrained request's matcher: the tokens it accepted so far are exactly the request's output tokens
-    read back (the core never hands it a token it has not read, so it never has to roll back). With `begins_after`
+    read back (the scheduler never hands it a token it has not read, so it never has to roll back). With `begins_after`
     (a token id), every token is allowed up to and including that token, and the grammar applies from the next."""
 
     def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: list[int], begins_after: int | None = None):

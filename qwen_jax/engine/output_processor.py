@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from qwen_jax.engine.core import CoreOutput
 from qwen_jax.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from qwen_jax.engine.sequence import CoreOutput
 from qwen_jax.outputs import RequestFailed, RequestOutput, RequestRejected, TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
 

@@ -77,7 +77,7 @@ class Replica:
             num_speculative_tokens=spec.num_drafts,
             drafts_at=tuple(policy.drafts_at(rows) for rows in range(1, self.max_num_seqs + 1)) if policy else ())
         self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
-                                   self.prefix_cache, max_model_len, policy, self.shapes)
+                                   self.prefix_cache, max_model_len, policy, self.shapes, eos_token_ids)
         self.runner = ModelRunner(self.shapes, params, eos_token_ids, seed=seed, mesh=mesh, lazy=uses_workers(mesh))
         self.compiler = Compiler(self.runner)
         self.runner.compile_buckets = self.compiler.compile
@@ -190,5 +190,8 @@ class Replica:
             "prefix_cache_queries": cache.queries if cache else 0, "prefix_cache_hits": cache.hits if cache else 0,
             "step_device_wait_seconds_total": self.runner.device_wait_seconds,
             "program_fallbacks_total": self.runner.programs.misses,
-            "num_preemptions_total": s.num_preemptions,
+            "num_preemptions_total": s.num_preemptions, "generation_tokens_total": s.num_generated_tokens,
+            "spec_verified_rows_total": s.spec_rows, "spec_drafted_tokens_total": s.spec_drafted,
+            "spec_accepted_tokens_total": s.spec_accepted,
+            "spec_accepted_tokens_per_position": list(s.spec_accepted_at),
         }

@@ -1,22 +1,29 @@
 """Scheduler: decides which sequences run in the next step and how many of their tokens (continuous batching,
-chunked prefill under a token budget, recompute preemption, prefix-cache admission).
+chunked prefill under a token budget, recompute preemption, prefix-cache admission), and applies a step's output
+once it is read back (tokens, stops, counters): the one writer of sequence state.
 
-Host-side only: it hands out KV blocks and state slots and returns a plan; it never touches device arrays. A planned
-step counts as done at once (its tokens computed, its samples pending), so the next step can be planned while the
-device still runs this one.
+Host-side only: it hands out KV blocks and state slots, returns a plan and takes back sampled tokens as host data; it
+never touches device arrays. A planned step counts as done at once (its tokens computed, its samples pending), so the
+next step can be planned while the device still runs this one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.prefix_cache import PrefixCache, block_hashes, snapshot_boundary
 from qwen_jax.engine.programs import Shapes
-from qwen_jax.engine.sequence import Sequence, Status
-from qwen_jax.engine.speculative import DraftPolicy
+from qwen_jax.engine.sampler import SampleOutput
+from qwen_jax.engine.sequence import CoreOutput, Sequence, Status
+from qwen_jax.engine.speculative import MAX_DRAFTS, DraftPolicy, VerifyOutput
+from qwen_jax.outputs import TokenLogprob
+
+log = logging.getLogger("qwen_jax")
 
 
 @dataclasses.dataclass
@@ -48,11 +55,12 @@ class StepPlan:
 class Scheduler:
     def __init__(self, blocks: BlockPool, slots: SlotPool, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_cache: PrefixCache | None = None, max_model_len: int | None = None,
-                 speculation: DraftPolicy | None = None, programs: Shapes | None = None):
+                 speculation: DraftPolicy | None = None, programs: Shapes | None = None,
+                 eos_token_ids: Iterable[int] = ()):
         """`slots`: one per running sequence (its recurrent state, its rows of the sampling tables); `speculation`:
         the policy that picks the drafts decoding rows verify (None: the model does not speculate); `programs`: the
         shapes of the replica's programs, which say how many decode steps or verify rounds one program runs (None:
-        one)."""
+        one); `eos_token_ids`: the tokens that end a request (once its min_tokens are out, unless it ignores EOS)."""
         self.blocks = blocks
         self.slots = slots
         self.max_num_seqs = max_num_seqs
@@ -61,9 +69,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.speculation = speculation
         self.programs = programs
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0  # since the start, for the metrics
+        # counters since the start, for the metrics: preemptions, output tokens; speculative decoding: rows verified,
+        # drafts proposed to them, drafts accepted (acceptance length: 1 + accepted / verified rows tokens a row a
+        # step), and of the accepted, how many were a row's j-th draft
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.spec_rows = self.spec_drafted = self.spec_accepted = 0
+        self.spec_accepted_at = [0] * MAX_DRAFTS
 
     # ---- queue -----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -121,7 +136,6 @@ class Scheduler:
         self._free(seq)
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -249,8 +263,8 @@ class Scheduler:
         """Count a planned row as computed: its tokens' KV and state are in the cache for every later step (the
         device runs steps in order), its sample is pending, its full prompt blocks are indexed for prefix hits."""
         seq = row.seq
-        # a verify row's rounds book every draft, the emitted ones as one sample a round and the rest unverified (the
-        # core takes the rejected ones back)
+        # a verify row's rounds book every draft, the emitted ones as one sample a round and the rest unverified
+        # (update_from_output takes the rejected ones back)
         seq.num_computed_tokens += row.steps * row.num_tokens if row.drafts else row.num_tokens + row.steps - 1
         if row.samples:
             seq.num_pending += row.steps
@@ -289,3 +303,96 @@ class Scheduler:
             if boundary and row.start + n == boundary and seq.block_hashes:
                 row.save_snapshot = cache.claim_snapshot(seq.block_hashes[boundary // self.blocks.block_size - 1])
         return row
+
+    # ---- a step's output ---------------------------------------------------------------------------------------
+    def update_from_output(self, rows: list[Row], output: SampleOutput | VerifyOutput) -> list[CoreOutput]:
+        """Apply a step read back (`rows`: the step's, `output`: what it sampled, on the host): each sampling row's
+        pending (and unverified) tokens are settled, its tokens appended and the stop rules applied (`_check_stop`;
+        a request that ends is finished, its memory free). Returns each request's output, none for one that had ended
+        before; when applying a request's tokens raises, that request alone fails (`fail`)."""
+        emitted = None
+        if isinstance(output, VerifyOutput):  # [requests, positions] -> [positions, requests], as several steps give
+            emitted = output.num_emitted  # [requests, rounds]
+            output = SampleOutput(output.tokens.T, output.logprobs.T, output.top_ids.transpose(1, 0, 2),
+                                  output.top_logprobs.transpose(1, 0, 2))
+        elif output.tokens.ndim == 1:  # one step; several in one program give [steps, requests]
+            output = SampleOutput(*(a[None] for a in output))
+        outputs = []
+        for i, row in enumerate(rows):
+            if not row.samples:
+                continue
+            row.seq.num_pending -= row.steps
+            count = row.steps
+            if emitted is not None:  # the step booked every draft as computed; the rejected ones were not
+                rounds = [int(n) for n in emitted[i]]
+                count = sum(rounds)
+                row.seq.num_unverified -= row.steps * row.drafts
+                if row.seq.status == Status.RUNNING:  # not preempted since (that set its count to 0)
+                    row.seq.num_computed_tokens -= row.steps * (row.drafts + 1) - count
+                self.spec_rows += row.steps
+                self.spec_drafted += row.steps * row.drafts
+                self.spec_accepted += count - row.steps
+                for n in rounds:  # a round's accepted drafts are its first n - 1
+                    for j in range(n - 1):
+                        self.spec_accepted_at[j] += 1
+                self.speculation.record(row.drafts, rounds)
+            try:
+                out = self._apply_row(row, output, i, count)
+            except Exception as exc:
+                out = self.fail(row.seq, exc)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def fail(self, seq: Sequence, exc: Exception) -> CoreOutput:
+        """End one request because handling it raised (building its share of a step, or applying its tokens): its
+        client gets the error, every other request goes on."""
+        log.error("request %s failed in the engine core", seq.request_id, exc_info=exc)
+        if not seq.is_finished:
+            self.finish(seq, "error")
+        return CoreOutput(seq.request_id, [], finish_reason="error", num_cached_tokens=seq.num_cached_tokens,
+                          error=f"the engine failed on this request: {type(exc).__name__}: {exc}")
+
+    def _apply_row(self, row: Row, output: SampleOutput, i: int, count: int) -> CoreOutput | None:
+        """Append row i's `count` sampled tokens ([steps, requests] in `output`) to its sequence and apply the stop
+        rules; its output (None when it had ended before this step came back)."""
+        seq = row.seq
+        tokens, logprobs = [], [] if seq.params.logprobs is not None else None
+        out = None
+        for j in range(count):
+            if seq.is_finished:  # finished or aborted since this step was issued: the rest is dropped
+                break
+            token = int(output.tokens[j, i])
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+            seq.output_token_ids.append(token)
+            self.num_generated_tokens += 1
+            tokens.append(token)
+            if logprobs is not None:
+                n = seq.params.logprobs
+                top = [(int(a), float(b)) for a, b in zip(output.top_ids[j, i][:n], output.top_logprobs[j, i][:n],
+                                                          strict=True)]
+                logprobs.append(TokenLogprob(token, float(output.logprobs[j, i]), top))
+            out = self._check_stop(seq)
+        if out is not None:
+            out.new_token_ids, out.new_logprobs = tokens, logprobs
+        return out
+
+    def _check_stop(self, seq: Sequence) -> CoreOutput:
+        """The token-level stop rules for the sequence's last token (stop strings are the front's): EOS and stop
+        token ids once min_tokens are out, its grammar's end, max_tokens, max_model_len; a request that ends is
+        finished here. The output's tokens are the caller's."""
+        params, token = seq.params, seq.output_token_ids[-1]
+        enough = len(seq.output_token_ids) >= params.min_tokens
+        eos = token in self.eos_token_ids and not params.ignore_eos and enough
+        out = CoreOutput(seq.request_id, [], num_cached_tokens=seq.num_cached_tokens, queue_seconds=seq.queue_seconds)
+        if eos or (token in params.stop_token_ids and enough):
+            out.finish_reason, out.stop_reason, out.eos = "stop", token, eos
+        elif seq.grammar is not None and seq.grammar.is_terminated:  # its stop token: nothing more may follow
+            out.finish_reason, out.stop_reason, out.eos = "stop", token, token in self.eos_token_ids
+        elif len(seq.output_token_ids) >= params.max_tokens or (
+                self.max_model_len is not None and seq.num_known_tokens >= self.max_model_len):
+            out.finish_reason = "length"
+        if out.finish_reason is not None:
+            self.finish(seq, out.finish_reason, out.stop_reason)
+        return out

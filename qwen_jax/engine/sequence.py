@@ -1,14 +1,22 @@
-"""Sequence: one request's state inside the engine core (tokens, memory it holds, progress, tokens in flight).
+"""Sequence: one request's state inside the engine core (tokens, memory it holds, progress, tokens in flight), and
+CoreOutput: what one step did for it, as the core sends it to the front.
 
-Plain host-side data; the scheduler and the core mutate it, nothing here touches devices.
+Plain host-side data that only the scheduler writes once it is made (but for sample_row, which the runner sets as it
+lays a step out); nothing here touches devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
+from qwen_jax.outputs import TokenLogprob
 from qwen_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qwen_jax.engine.grammar import RequestGrammar
 
 
 class Status(enum.Enum):
@@ -18,7 +26,9 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 grammar: RequestGrammar | None = None):
+        """`grammar`: a structured output's matcher (engine/grammar.py), fed each token read back."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -29,7 +39,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache, or will be once the steps issued run
         self.num_pending = 0  # tokens sampled by steps issued but not read back yet (their ids still on the device)
         # Drafts that verify programs not read back yet booked as computed, past one token a round: some of them
-        # are emitted too, the rest rejected (the core takes those back from num_computed_tokens).
+        # are emitted too, the rest rejected (the scheduler takes those back from num_computed_tokens).
         self.num_unverified = 0
         self.sample_row = 0  # the row of this sequence's last sampled token in the last step that sampled for it
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (last admission)
@@ -38,10 +48,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.arrival_time = time.time()
         self.scheduled_time: float | None = None  # first admitted to the running batch
-        self.first_token_time: float | None = None
-        self.finish_time: float | None = None
-        self.num_preemptions = 0
-        self.grammar = None  # structured outputs: its RequestGrammar (engine/grammar.py), fed each token read back
+        self.grammar = grammar
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Known tokens [start, end) of prompt + output (pending ones are not known yet), without building the whole
@@ -79,3 +86,19 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+
+@dataclasses.dataclass
+class CoreOutput:
+    """What one step did for one request: its new tokens (and their logprobs), and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the EOS / stop token id that ended it
+    eos: bool = False  # the last new token is an EOS that ended the request: it is not part of the text
+    num_cached_tokens: int = 0
+    error: str | None = None  # finish_reason "error": what went wrong with this request alone
+    rejected: bool = False  # the error is the request's own (refused on arrival), not a failure while it ran
+    queue_seconds: float | None = None  # how long it waited to be first scheduled

@@ -481,7 +481,8 @@ def stage_behind(inputs: jax.Array, new: jax.Array, sampling: jax.Array, emitted
     """stage_inputs for a step planned while a verify program was still in flight, which therefore counted each
     request of it as `Behind` says: (the inputs buffer with each such request's positions and context length moved
     back by the drafts that program rejected, the sampling buffer with a seeded request's counter moved on, and its
-    min_tokens clock run down, by the tokens it emitted past one a round). `emitted` [S]: each row's tokens emitted by that program (verify_step's)."""
+    min_tokens clock run down, by the tokens it emitted past one a round). `emitted` [S]: each row's tokens emitted
+    by that program (verify_step's)."""
     a = unpack(new, layout)
     behind = a["behind_row"] >= 0
     made = emitted[jnp.maximum(a["behind_row"], 0)]

@@ -51,14 +51,15 @@ def test_request_failing_while_its_tokens_are_applied_fails_alone(engines, kit, 
     params = [SamplingParams(**GREEDY)] * 3
     expected = outputs_alone(llm, prompts, params)
 
-    check_stop = engine._check_stop
+    scheduler = engine.replicas[0].scheduler  # the one replica
+    check_stop = scheduler._check_stop
 
-    def failing_check_stop(replica, seq):
+    def failing_check_stop(seq):
         if seq.prompt_token_ids == prompts[1] and len(seq.output_token_ids) == 3:
             raise RuntimeError("injected failure")
-        return check_stop(replica, seq)
+        return check_stop(seq)
 
-    monkeypatch.setattr(engine, "_check_stop", failing_check_stop)
+    monkeypatch.setattr(scheduler, "_check_stop", failing_check_stop)
     outs = llm.generate(prompts, params)
 
     assert [outs[0].token_ids, outs[2].token_ids] == [expected[0], expected[2]]
