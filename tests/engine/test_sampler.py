@@ -1,4 +1,7 @@
+from __future__ import annotations
+
 from collections import Counter
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -6,20 +9,50 @@ import numpy as np
 import pytest
 
 from qwen_jax.engine import sampler
-from qwen_jax.engine.sampler import TOP_K_FAST_MAX, SamplingTensors, apply_penalties, cut_path, init_penalty_rows
+from qwen_jax.engine.grammar import mask_words
+from qwen_jax.engine.sampler import (
+    TOP_K_FAST_MAX,
+    SamplingTables,
+    SamplingTensors,
+    apply_penalties,
+    banned_row,
+    bias_row,
+    cut_path,
+    init_penalty_rows,
+    seen_counts,
+)
 from qwen_jax.sampling_params import SamplingParams as SP
 
 V = 64  # most tests share (B=64, V=64, K=0) so they share one compilation
 B = 64
 
 
-def build(params, vocab=V, batch=B, num_generated=None, eos=(), step_seed=0, **masks):
-    """Tensors for `params` (row i's penalty counts in row i of `counts_for`'s array); `masks`: constrained_rows and
-    token_masks."""
+class Batch(NamedTuple):
+    """A step's sampling tensors and the tables their rows name."""
+
+    tensors: SamplingTensors
+    tables: SamplingTables
+
+    def at_counter(self, counter: int) -> Batch:
+        return self._replace(tensors=self.tensors._replace(rng=self.tensors.rng.at[:, 2].set(counter)))
+
+
+def build(params, vocab=V, batch=B, num_generated=None, eos=(), step_seed=0, counts=None, constrained_rows=(),
+          token_masks=None) -> Batch:
+    """Tensors for `params`, row i's table rows in row i of the tables (its penalty counts: `counts`, from
+    `counts_for`; its logit bias and bans from its params; the masks of `constrained_rows`: token_masks)."""
     n = len(params)
-    return SamplingTensors.build(params, num_generated or [0] * n, list(range(n)), vocab_size=vocab,
-                                 batch_size=batch, eos_token_ids=eos, step_seed=step_seed, num_penalty_rows=batch,
-                                 **masks)
+    tensors = SamplingTensors.build(params, num_generated or [0] * n, list(range(n)), vocab_size=vocab,
+                                    batch_size=batch, num_slots=batch, eos_token_ids=eos, step_seed=step_seed,
+                                    constrained_rows=constrained_rows)
+    bias, banned = np.zeros((batch, vocab), np.float32), np.zeros((batch, vocab), bool)
+    for i, p in enumerate(params):
+        bias[i], banned[i] = bias_row(p, vocab), banned_row(p, eos, vocab)
+    masks = np.zeros((batch, mask_words(vocab)), np.int32)
+    if constrained_rows:
+        masks[list(constrained_rows)] = token_masks
+    counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
+    return Batch(tensors, SamplingTables(counts, *map(jnp.asarray, (bias, banned, masks))))
 
 
 def counts_for(histories, vocab=V, batch=B):
@@ -37,12 +70,12 @@ def counts_for(histories, vocab=V, batch=B):
                              jnp.asarray(num_prompt), jnp.asarray(num_tokens))
 
 
-def sample(logits, tensors, counts=None, *, num_top_logprobs, params=None):
+def sample(logits, batch: Batch, *, num_top_logprobs, params=None):
     """The sampler as the runner calls it: the cut path chosen from the rows' params on the host (the sort path,
-    exact for any batch, when not given). The counts are donated: a copy goes in."""
+    exact for any batch, when not given). The tables are donated: a copy goes in."""
     path = 2 if params is None else cut_path(params, logits.shape[1])
-    counts = None if counts is None else jnp.copy(counts)
-    return sampler.sample(logits, tensors, counts, num_top_logprobs=num_top_logprobs, path=path)[0]
+    tables = jax.tree.map(jnp.copy, batch.tables)
+    return sampler.sample(logits, batch.tensors, tables, num_top_logprobs=num_top_logprobs, path=path)[0]
 
 
 def pad_rows(row_logits, batch=B):
@@ -75,7 +108,8 @@ def test_greedy_rows_are_exact_argmax_even_beside_sampled_rows():
     params = [SP(temperature=0.0) if i % 2 == 0 else SP(temperature=1.0, top_p=0.5, repetition_penalty=1.1)
               for i in range(B)]
     counts = counts_for([([1, 2, 3], [])] * B)
-    tokens = np.asarray(sample(jnp.asarray(logits), build(params), counts, num_top_logprobs=5, params=params).tokens)
+    tokens = np.asarray(sample(jnp.asarray(logits), build(params, counts=counts), num_top_logprobs=5,
+                               params=params).tokens)
     np.testing.assert_array_equal(tokens[::2], logits[::2].argmax(-1))
     assert tokens.dtype == np.int32
 
@@ -159,9 +193,9 @@ def test_cuts_at_full_vocab_on_the_sort_path():
     top = np.argsort(-logits, axis=-1)
     logits[0, top[0, :3]] += 12.0  # row 0: three tokens hold almost all the mass
     params = [SP(top_p=0.9, seed=s) for s in range(2)]
-    tokens = np.stack([np.asarray(sample(jnp.asarray(logits), SamplingTensors.build(
-        params, [s, s], vocab_size=vocab, batch_size=2), num_top_logprobs=0, params=params).tokens)
-        for s in range(2)])
+    tokens = np.stack([np.asarray(sample(jnp.asarray(logits), build(params, vocab=vocab, batch=2, num_generated=[s, s]),
+                                         num_top_logprobs=0, params=params).tokens)
+                       for s in range(2)])
     assert set(tokens[:, 0].tolist()) <= set(top[0, :3].tolist())
 
 
@@ -187,9 +221,9 @@ def test_penalties_change_logits_exactly_as_the_formulas():
     params = [SP(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
               SP(repetition_penalty=0.8, frequency_penalty=-1.0), SP(presence_penalty=-2.0)]
     counts = counts_for(list(zip(prompts, outputs, strict=True)), batch=4)
-    t = build(params, batch=4)
+    t = build(params, batch=4, counts=counts)
     padded = jnp.asarray(np.concatenate([logits, np.zeros((1, V), np.float32)]))
-    got = np.asarray(jax.jit(apply_penalties)(padded, t, counts))
+    got = np.asarray(jax.jit(apply_penalties)(padded, t.tensors, seen_counts(t.tables, t.tensors)))
     expected = np.concatenate([logits, np.zeros((1, V), np.float32)])
     for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs, strict=True)):
         r = np.float32(p.repetition_penalty)
@@ -207,9 +241,9 @@ def test_repetition_penalty_flips_greedy_choice():
     row = np.zeros(V, np.float32)
     row[10], row[11] = 2.0, 1.8
     counts = counts_for([([10], [])] * 3)
-    plain = sample(pad_rows([row, row]), build([SP(temperature=0)] * 2 + [SP(repetition_penalty=2.0)]), counts,
+    plain = sample(pad_rows([row, row]), build([SP(temperature=0)] * 2 + [SP(repetition_penalty=2.0)], counts=counts),
                    num_top_logprobs=5)
-    penal = sample(pad_rows([row, row]), build([SP(temperature=0, repetition_penalty=1.2)] * 2), counts,
+    penal = sample(pad_rows([row, row]), build([SP(temperature=0, repetition_penalty=1.2)] * 2, counts=counts),
                    num_top_logprobs=5)
     assert plain.tokens[:2].tolist() == [10, 10] and penal.tokens[:2].tolist() == [11, 11]
     assert plain.top_ids[0, :2].tolist() == penal.top_ids[0, :2].tolist() == [10, 11]  # logprobs stay raw
@@ -223,8 +257,9 @@ def test_penalty_counts_follow_each_penalised_rows_tokens_on_the_device():
     row = np.full(V, -1e4, np.float32)
     row[60] = 0.0  # every row samples 60
     params = [SP(temperature=0, frequency_penalty=0.1), SP(temperature=0), SP(temperature=0, presence_penalty=0.1)]
-    tokens, counts = sampler.sample(pad_rows([row] * 3, batch=4), build(params, batch=4), counts, num_top_logprobs=0,
-                                    path=0)
+    t = build(params, batch=4, counts=counts)
+    tokens, tables = sampler.sample(pad_rows([row] * 3, batch=4), t.tensors, t.tables, num_top_logprobs=0, path=0)
+    counts = tables.counts
     assert tokens.tokens[:3].tolist() == [60, 60, 60]
     np.testing.assert_array_equal(np.asarray(counts[:3, 60]), [3, 0, 2])  # row 1 has no penalty: not counted
     np.testing.assert_array_equal(np.asarray(counts[0, [5, 9]]), [1, 2])
@@ -235,7 +270,7 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
     logits = rng.normal(size=(B, V)).astype(np.float32) * 2
     params = [SP(temperature=0.7, top_p=0.9, seed=i, repetition_penalty=1.5) for i in range(B)]
     counts = counts_for([(rng.integers(0, V, 10).tolist(), []) for _ in range(B)])
-    out = sample(jnp.asarray(logits), build(params), counts, num_top_logprobs=5, params=params)
+    out = sample(jnp.asarray(logits), build(params, counts=counts), num_top_logprobs=5, params=params)
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(B), tokens], rtol=1e-6)
@@ -296,7 +331,7 @@ def test_grammar_masks_restrict_only_their_rows_to_the_allowed_tokens():
     allowed = [{int(perm[2]), int(perm[3]), int(perm[5])}, {int(perm[-1])}, {31, 63}]
     params = [SP(seed=1), SP(temperature=0), SP(seed=1), SP(temperature=0), SP(temperature=0)]
     t = build(params, constrained_rows=[0, 3, 4], token_masks=bitmask(allowed))
-    draws = [sample(pad_rows([row] * 5), t._replace(rng=t.rng.at[:, 2].set(s)), num_top_logprobs=0).tokens[:5]
+    draws = [sample(pad_rows([row] * 5), t.at_counter(s), num_top_logprobs=0).tokens[:5]
              for s in range(64)]
     draws = np.asarray(draws)
     assert set(draws[:, 0].tolist()) == allowed[0]  # every allowed token comes up in 64 draws at these odds
@@ -304,3 +339,32 @@ def test_grammar_masks_restrict_only_their_rows_to_the_allowed_tokens():
     assert set(draws[:, 4].tolist()) == {31 if row[31] > row[63] else 63}
     free = sample(pad_rows([row] * 5), build(params), num_top_logprobs=0).tokens[:5].tolist()
     assert draws[0, 1:3].tolist() == free[1:3]  # unconstrained rows draw as without any mask
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_largest_entries_are_lax_top_ks_without_a_full_sort(ties):
+    """sampler.largest gives lax.top_k's values and ids, in its order (ties by the lower id), at the full vocabulary:
+    random rows, rows with many equal values (bf16-like logits), rows partly -inf."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(4, 248_320)).astype(np.float32)
+    if ties:
+        x = np.round(x * 4) / 4
+    x[1, :200_000] = -np.inf
+    for k in (20, TOP_K_FAST_MAX):
+        want = jax.lax.top_k(jnp.asarray(x), k)
+        got = jax.jit(sampler.largest, static_argnums=1)(jnp.asarray(x), k)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_the_min_tokens_clock_runs_down_over_several_steps():
+    """A row `steps` tokens on (sampler.next_step, as several decode steps or verify positions see it) bans the
+    ending tokens exactly while its output is shorter than min_tokens."""
+    eos = [60]
+    row = np.zeros(V, np.float32)
+    row[[60, 3]] = [9.0, 6.0]
+    params = [SP(temperature=0, min_tokens=3)]
+    t = build(params, batch=2, num_generated=[1], eos=eos)
+    tokens = [int(sample(pad_rows([row], batch=2), t._replace(tensors=sampler.next_step(t.tensors, j)),
+                         num_top_logprobs=0).tokens[0]) for j in range(3)]
+    assert tokens == [3, 3, 60]  # outputs 1 and 2 are short of 3: EOS banned; the third may end it
