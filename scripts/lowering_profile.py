@@ -11,8 +11,7 @@ import sys
 import time
 
 from qwen_jax.config import load_config
-from qwen_jax.engine.runner import ModelRunner
-from sharding import rules
+from qwen_jax.engine.programs import ProgramTable, Shapes
 from sharding.mesh import make_mesh
 
 
@@ -21,17 +20,18 @@ def main() -> None:
     config, kernels, *names = [a for a in sys.argv[1:] if a != "--compile"]
     cfg = load_config(config)
     mesh = make_mesh(1)
-    runner = ModelRunner(cfg, rules.abstract_params(cfg, mesh), num_blocks=4096, block_size=16, num_slots=65,
-                         num_snapshots=8, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
-                         eos_token_ids=[1], mesh=mesh, lazy=True, kernels=kernels, num_speculative_tokens=1,
-                         decode_steps=4, decode_steps_max_rows=8)
-    jobs = {job.name: job for job in runner.compiler.jobs(runner.token_buckets)}
+    shapes = Shapes(cfg=cfg, kernels=kernels, tensor_parallel_size=1, enable_expert_parallel=False, num_blocks=4096,
+                    block_size=16, num_slots=65, num_snapshots=8, max_model_len=4096, max_num_seqs=64,
+                    max_num_batched_tokens=8192, decode_steps=4, decode_steps_max_rows=8, num_speculative_tokens=1,
+                    drafts_at=(1,) * 64)
+    table = ProgramTable(shapes, mesh)
+    jobs = {key.name: key for key in shapes.catalog(shapes.token_buckets)}
     for i, name in enumerate(names):
         profile = cProfile.Profile() if i == 0 else None
         began = time.perf_counter()
         if profile:
             profile.enable()
-        lowered = jobs[name].lower()
+        lowered = table.lower(jobs[name])
         if profile:
             profile.disable()
         print(f"{name}: lowered in {time.perf_counter() - began:.2f}s", flush=True)

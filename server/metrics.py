@@ -104,6 +104,8 @@ class _EngineCollector(Collector):
                       "next step (while the device runs the one before).", s.get("step_plan_seconds_total", 0))
         yield counter(f"{OWN}engine_step_dispatch_seconds", "Time engine steps spent in the calls that issue the next "
                       "step's programs.", s.get("step_dispatch_seconds_total", 0))
+        yield counter(f"{OWN}program_fallbacks", "Programs a step ran that were not compiled ahead (jitted on the "
+                      "spot; after a full warm-up, 0).", s.get("program_fallbacks_total", 0))
 
 
 class ServerMetrics:

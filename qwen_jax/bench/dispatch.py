@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                              num_kv_blocks=4096, kernels=args.kernels, speculative_config="off"))  # the plain step
     replica = Replica(0, cfg, params, mesh, sizes, 4096, [0], seed=0)
     runner = replica.runner
+    runner.allocate()  # a lazy runner's state (compile workers are none of this benchmark's)
     leaves = len(jax.tree.leaves(params)), len(jax.tree.leaves(runner.cache))
     rows = []
 
@@ -109,15 +110,14 @@ def main(argv: list[str] | None = None) -> None:
 
     # 2. The real one-token step, issued one ahead: transfer, forward, sampler; each step's inputs copied into one
     # buffer in place, as the runner stages them.
-    host, layout = runner.compiler.step_inputs(1)
-    tensors = SamplingTensors.build_host([], [], vocab_size=cfg.vocab_size, batch_size=1,
-                                         num_penalty_rows=runner.num_slots)
+    host, layout = runner.shapes.step_inputs(1)
+    tensors = SamplingTensors.build_host([], [], vocab_size=cfg.vocab_size, batch_size=1, num_slots=runner.num_slots)
     sampling, sampling_layout = step.pack(tensors._asdict())
     inputs = jax.device_put(np.zeros(layout.size, np.int32), replicated)
     forward = functools.partial(step.forward, layout=layout, cfg=cfg, mesh=mesh, kernels=args.kernels)
     compiled = forward.func.lower(params, runner.cache, runner.last_tokens, inputs, **forward.keywords).compile()
     logits = jax.ShapeDtypeStruct((1, cfg.vocab_size), np.float32, sharding=replicated)
-    sample = step.sample_step.lower(logits, jax.device_put(sampling, replicated), runner.last_tokens, None,
+    sample = step.sample_step.lower(logits, jax.device_put(sampling, replicated), runner.last_tokens, runner.tables,
                                     layout=sampling_layout, num_top_logprobs=0, path=0).compile()
 
     def issue_ahead(label: str, forward_for) -> None:
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
             t1 = time.perf_counter()
             logits, runner.cache = forward_for(i)(params, runner.cache, runner.last_tokens, inputs)
             t2 = time.perf_counter()
-            result, runner.last_tokens, _ = sample(logits, device_in[1], runner.last_tokens, None)
+            result, runner.last_tokens, runner.tables = sample(logits, device_in[1], runner.last_tokens,
+                                                               runner.tables)
             t3 = time.perf_counter()
             if previous is not None:
                 jax.device_get(previous.tokens)
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             device_in = jax.device_put((host, sampling), replicated)
             inputs = step.stage_inputs(inputs, device_in[0])
             logits, runner.cache = compiled(params, runner.cache, runner.last_tokens, inputs)
-            result, runner.last_tokens, _ = sample(logits, device_in[1], runner.last_tokens, None)
+            result, runner.last_tokens, runner.tables = sample(logits, device_in[1], runner.last_tokens,
+                                                               runner.tables)
             return result
 
         host_table(one_step, steps=20)

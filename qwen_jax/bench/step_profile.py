@@ -111,7 +111,7 @@ def decode_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, b
     its block table), as many a program as the engine runs for this batch (`decode_steps`; then `step_ms` is the
     program's and `token_ms` each token's)."""
     seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 0, 1)
-    decode_steps = runner.max_decode_steps(seqs)
+    decode_steps = runner.shapes.decode_steps_for(len(seqs))
     if decode_steps > 1:  # room for the program's steps in the block tables
         seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 0, decode_steps)
     rows = [Row(seq, context, 1, samples=True, steps=decode_steps) for seq in seqs]
@@ -134,7 +134,7 @@ def verify_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, p
     every recurrent state and drafts the next k, round after round, and each program is issued before the one
     before it is read back. Wall and GPU time of a program and of each round; `profile`: also its TOP kernels."""
     k = runner.num_speculative_tokens
-    rounds = (runner.max_verify_rounds if batch <= runner.decode_steps_max_rows else 1) if k else 1
+    rounds = runner.shapes.verify_rounds_for(batch) if k else 1
     # blocks for every round's tokens and the positions its last drafts are made at
     seqs = fake_sequences(batch, context + 1, cfg.vocab_size, 2, rounds * (k + 1) + k)
     row = {"verify_batch": batch, "draft_tokens": k, "rounds": rounds, "context": context}
@@ -155,7 +155,7 @@ def verify_row(runner: ModelRunner, cfg, batch: int, context: int, steps: int, p
 def free_cache(runner: ModelRunner) -> None:
     """Delete a runner's cache and step state on the device now, not whenever the collector runs (the params stay:
     the next runner shares them), so the device holds one runner's cache at a time."""
-    state = (runner.cache, runner.snapshots, runner.penalty_counts, runner.last_tokens, runner.drafts)
+    state = (runner.cache, runner.snapshots, runner.tables, runner.last_tokens, runner.drafts)
     jax.block_until_ready(state)
     for array in jax.tree.leaves(state):
         array.delete()
@@ -267,9 +267,10 @@ def main(argv: Seq[str] | None = None) -> dict:
                                  block_size=BLOCK_SIZE, enable_prefix_caching=False, num_kv_blocks=blocks,
                                  num_scheduler_steps=args.num_scheduler_steps,
                                  kernels=args.kernels, speculative_config=spec_config(k)))
-        runner = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0).runner
-        runner.compiler.compile(sorted({buckets.bucket_for(n, runner.token_buckets) for n in token_counts}), full=False)
-        return runner
+        replica = Replica(0, cfg, params, mesh, sizes, longest, [], seed=0)
+        replica.compiler.compile(sorted({buckets.bucket_for(n, replica.shapes.token_buckets) for n in token_counts}),
+                                 full=False)
+        return replica.runner
 
     runner = build_runner(0, [*batches, *prefills])
     report = {"device": str(jax.devices()[0]), "config": args.config, "context": args.context,

@@ -501,3 +501,4 @@ class Compiler:
                                                                getattr(state, table).dtype))
                           for table in WRITTEN_TABLES)])
         jax.block_until_ready((r.cache, r.tables))
+        self.table.complete = full

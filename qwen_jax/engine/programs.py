@@ -296,13 +296,14 @@ def abstract_state(shapes: Shapes, mesh: Mesh) -> dict:
 
 class ProgramTable:
     """The programs of one replica by key: the compiled one (filled ahead by engine/compilation.py), else the jitted
-    function, compiled on its first call, each such use counted as a miss (a full warm-up leaves none) and the first
-    of each key logged."""
+    function, compiled on its first call, each such use counted as a miss and the first of each key logged (a
+    warning once `complete`: after a full warm-up a miss is a bug)."""
 
     def __init__(self, shapes: Shapes, mesh: Mesh):
         self.shapes = shapes
         self.mesh = mesh
         self.compiled: dict[ProgramKey, jax.stages.Compiled] = {}
+        self.complete = False  # every program of the catalog is compiled (a full warm-up is done)
         self.misses = 0
         self._fallbacks: dict[ProgramKey, Callable] = {}
         self._state: dict | None = None
@@ -321,7 +322,8 @@ class ProgramTable:
         self.misses += 1
         fallback = self._fallbacks.get(key)
         if fallback is None:
-            log.warning("program %s is not compiled: jitted now (%d miss(es) so far)", key.name, self.misses)
+            log.log(logging.WARNING if self.complete else logging.INFO,
+                    "program %s is not compiled: jitted now (%d miss(es) so far)", key.name, self.misses)
             fn, _, static = program(key, self.shapes, self.mesh, self.state)
             fallback = self._fallbacks[key] = functools.partial(fn, **static)
         return fallback

@@ -8,32 +8,40 @@ import pickle
 import jax
 
 from qwen_jax import LLM, SamplingParams
+from qwen_jax.engine import compilation
 from qwen_jax.engine import replica as replica_module
 
 
-def runner_of(llm: LLM):
-    return llm.engine.replicas[0].runner
+def compiler_of(llm: LLM):
+    return llm.engine.replicas[0].compiler
 
 
 def test_the_program_store_is_one_for_every_replica_and_another_for_other_shapes(hybrid_mtp_dir, kit):
-    first = runner_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).compiler.program_store()
+    first = compiler_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).program_store()
     # another replica's sampling seed (seed * dp + i) is an input of its programs, not part of them
-    other_seed = runner_of(LLM(hybrid_mtp_dir, **dict(kit.ENGINE_ARGS, seed=7))).compiler.program_store()
+    other_seed = compiler_of(LLM(hybrid_mtp_dir, **dict(kit.ENGINE_ARGS, seed=7))).program_store()
     assert other_seed == first and os.path.basename(os.path.dirname(first)) == "qwen_jax_programs"
-    more_rows = runner_of(LLM(hybrid_mtp_dir, **dict(kit.ENGINE_ARGS, max_num_seqs=2))).compiler.program_store()
-    no_drafts = runner_of(LLM(hybrid_mtp_dir, speculative_config="off", **kit.ENGINE_ARGS)).compiler.program_store()
+    more_rows = compiler_of(LLM(hybrid_mtp_dir, **dict(kit.ENGINE_ARGS, max_num_seqs=2))).program_store()
+    no_drafts = compiler_of(LLM(hybrid_mtp_dir, speculative_config="off", **kit.ENGINE_ARGS)).program_store()
     assert len({first, more_rows, no_drafts}) == 3
 
 
-def test_a_compile_worker_is_handed_a_picklable_spec_and_every_program_has_its_own_file(hybrid_mtp_dir, kit):
-    compiler = runner_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).compiler
-    spec = pickle.loads(pickle.dumps(compiler.worker_spec()))
-    assert spec["runner"]["max_num_seqs"] == kit.ENGINE_ARGS["max_num_seqs"] and spec["tensor_parallel_size"] == 1
-    jobs = compiler.jobs(spec["sizes"])
-    names = [job.file_name for job in jobs]
+def test_a_compile_worker_is_handed_picklable_shapes_and_every_program_has_its_own_file(hybrid_mtp_dir, kit):
+    """A worker gets the replica's Shapes (plain values: no runner, no device state) and the programs' keys; a table
+    it builds from them lowers the very programs the core's table would."""
+    from qwen_jax.engine.programs import ProgramTable
+
+    compiler = compiler_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS))
+    shapes = pickle.loads(pickle.dumps(compiler.shapes))
+    assert shapes == compiler.shapes and shapes.max_num_seqs == kit.ENGINE_ARGS["max_num_seqs"]
+    jobs = pickle.loads(pickle.dumps(compiler.jobs(shapes.token_buckets)))
+    names = [compilation.file_name(key) for key in jobs]
     assert len(set(names)) == len(names) and all("/" not in n for n in names)
-    kinds = {job.name.split("[")[0] for job in jobs}
-    assert kinds == {"forward", "draft", "verify", "sampler", "restore", "save", "penalties"}
+    assert {key.kind for key in jobs} == {"forward", "stage", "stage_behind", "draft", "verify",
+                                          "sampler", "restore", "save", "penalties", "table"}
+    twin = ProgramTable(shapes, compiler.runner.mesh)
+    key = next(key for key in jobs if key.kind == "verify")
+    assert twin.lower(key).as_text() == compiler.table.lower(key).as_text()
 
 
 def test_a_lazy_runner_allocates_its_state_at_its_first_step_with_the_same_tokens(hybrid_mtp_dir, kit, monkeypatch):
@@ -41,9 +49,8 @@ def test_a_lazy_runner_allocates_its_state_at_its_first_step_with_the_same_token
     expected = LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS).generate([prompt], params)[0].token_ids
     monkeypatch.setattr(replica_module, "uses_workers", lambda mesh: True)
     llm = LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)
-    runner = runner_of(llm)
-    assert not runner.allocated
-    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(runner.cache))
+    runner = llm.engine.replicas[0].runner
+    assert not runner.allocated and runner.cache is None
     assert llm.generate([prompt], params)[0].token_ids == expected
     assert runner.allocated and all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(runner.cache))
 
@@ -55,12 +62,10 @@ def test_a_program_whose_compile_ran_out_of_device_memory_is_compiled_again_by_a
     autotuning beside other workers can; once the others are done, that program alone goes to a single worker."""
     from jax.experimental import serialize_executable
 
-    from qwen_jax.engine import compilation
-
     monkeypatch.setattr(compilation.Compiler, "program_store", lambda self: str(tmp_path))
-    compiler = runner_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).compiler
-    size = min(compiler.runner.token_buckets)
-    jobs = [job for job in compiler.jobs([size], full=False) if job.name.startswith("forward")]
+    compiler = compiler_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS))
+    size = min(compiler.shapes.token_buckets)
+    jobs = [key for key in compiler.jobs([size], full=False) if key.kind == "forward"]
     starts = []
 
     def stand_in_workers(self, given, workers, store):
@@ -70,9 +75,9 @@ def test_a_program_whose_compile_ran_out_of_device_memory_is_compiled_again_by_a
                 stored = dict(error="JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate",
                               out_of_memory=True)
             else:
-                payload, in_tree, out_tree = serialize_executable.serialize(job.lower().compile())
+                payload, in_tree, out_tree = serialize_executable.serialize(self.table.lower(job).compile())
                 stored = dict(payload=payload, in_tree=in_tree, out_tree=out_tree, working_bytes=1, seconds=0.0)
-            with open(os.path.join(store, job.file_name), "wb") as f:
+            with open(os.path.join(store, compilation.file_name(job)), "wb") as f:
                 pickle.dump(stored, f)
         return [compilation.subprocess.Popen(["true"])]
 
@@ -83,15 +88,13 @@ def test_a_program_whose_compile_ran_out_of_device_memory_is_compiled_again_by_a
 
 
 def test_a_compile_error_other_than_out_of_memory_stops_the_start(hybrid_mtp_dir, kit, monkeypatch, tmp_path):
-    from qwen_jax.engine import compilation
-
     monkeypatch.setattr(compilation.Compiler, "program_store", lambda self: str(tmp_path))
-    compiler = runner_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS)).compiler
-    jobs = compiler.jobs([min(compiler.runner.token_buckets)], full=False)[:1]
+    compiler = compiler_of(LLM(hybrid_mtp_dir, **kit.ENGINE_ARGS))
+    jobs = compiler.jobs([min(compiler.shapes.token_buckets)], full=False)[:1]
 
     def failing_workers(self, given, workers, store):
         for job in given:
-            with open(os.path.join(store, job.file_name), "wb") as f:
+            with open(os.path.join(store, compilation.file_name(job)), "wb") as f:
                 pickle.dump(dict(error="ValueError: no such layout", out_of_memory=False), f)
         return [compilation.subprocess.Popen(["true"])]
 
@@ -112,16 +115,15 @@ def test_compile_workers_start_before_the_weights_are_read_and_the_warmed_core_g
     from jax.experimental import serialize_executable
 
     from qwen_jax import EngineCore
-    from qwen_jax.engine import compilation
-
     events, compiled = [], {}
 
     def stand_in_workers(self, given, workers, store):
         events.append(("workers", len(given), self.runner.abstract))
         for job in given:  # (XLA:CPU cannot serialize every program: the store's entry names it here)
-            compiled[job.file_name] = job.lower().compile()
-            with open(os.path.join(store, job.file_name), "wb") as f:
-                pickle.dump(dict(payload=job.file_name, in_tree=None, out_tree=None, working_bytes=1, seconds=0.0), f)
+            name = compilation.file_name(job)
+            compiled[name] = self.table.lower(job).compile()
+            with open(os.path.join(store, name), "wb") as f:
+                pickle.dump(dict(payload=name, in_tree=None, out_tree=None, working_bytes=1, seconds=0.0), f)
         return [compilation.subprocess.Popen(["true"])]
 
     load_params = EngineCore._load_params
@@ -141,11 +143,12 @@ def test_compile_workers_start_before_the_weights_are_read_and_the_warmed_core_g
     monkeypatch.setattr(EngineCore, "_load_params", recorded_load)
     monkeypatch.setattr(serialize_executable, "deserialize_and_load", lambda name, *_, **__: compiled[name])
     core = EngineCore(hybrid_mtp_dir, compile_ahead=(0, 1), **args)
-    runner = core.replicas[0].runner
-    jobs = runner.compiler.jobs(list(runner.token_buckets))
+    replica = core.replicas[0]
+    jobs = replica.compiler.jobs(replica.shapes.token_buckets)
     assert events == [("workers", len(jobs), True), ("weights",)]
     core.warmup(full=True)
-    assert events[2:] == [] and sorted(runner.forwards) == runner.token_buckets
+    table = replica.runner.programs
+    assert events[2:] == [] and not table.missing(jobs) and table.misses == 0
     core.add_request("r", prompt, params)
     tokens = []
     while core.has_unfinished:

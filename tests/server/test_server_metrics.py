@@ -62,6 +62,8 @@ def test_metrics_parse_and_follow_traffic(server):
     assert grew("vllm:inter_token_latency_seconds_count") == 2 * 4  # every token after each request's first
     assert grew("vllm:request_success_total", finished_reason="length") == 2
     assert ("vllm:num_preemptions_total", tuple(MODEL.items())) in after
+    # this server's warm-up is the minimal one (CPU): programs it did not compile ahead are jitted, each use counted
+    assert ("qwen_jax_program_fallbacks_total", tuple(MODEL.items())) in after
     # two requests of 5 tokens: at least 5 steps (they may share steps), each with some device wait inside it
     steps = grew("qwen_jax_engine_steps_total")
     seconds = grew("qwen_jax_engine_step_seconds_total")
