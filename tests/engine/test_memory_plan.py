@@ -6,6 +6,8 @@ The 35B-A3B's sizes come from its published config laid out over abstract meshes
 engine tests is the CPU with its memory statistics faked.
 """
 
+import logging
+
 import jax
 import pytest
 from jax._src.dispatch import BACKEND_COMPILE_EVENT
@@ -173,6 +175,19 @@ def test_an_engine_that_cannot_fit_is_refused_before_anything_compiles(hybrid_di
     assert refused.value.limit == "max_num_seqs" and refused.value.fits == 2
     assert "at most 2 sequences fit at max_model_len 64 on this device; use --max-num-seqs 2" in str(refused.value)
     assert compiles == [BACKEND_COMPILE_EVENT]
+
+
+def test_a_replica_without_max_num_seqs_runs_the_most_that_fit_and_logs_it(tiny, caplog):
+    """Room for 3 sequences' states and 4 KV blocks for each (plus the sinks), not for 4: the replica runs 3,
+    holds their blocks, and the log says so."""
+    cfg, mesh, footprint, set_room = tiny
+    set_room(4 * (footprint.per_slot + footprint.per_counts) + 13 * footprint.per_block + 100)
+    args = engine_args(dict(block_size=BLOCK, enable_prefix_caching=False, speculative_config="off"))
+    with caplog.at_level(logging.INFO, logger="qwen_jax"):
+        replica = Replica(0, cfg, rules.abstract_params(cfg, mesh), mesh, args, 64, [0], seed=0)
+    assert replica.max_num_seqs == 3 and replica.slots.num_slots == 4 and replica.blocks.num_usable == 12
+    assert any(r.getMessage().startswith("replica 0: max_num_seqs 3 (the most, up to 64, that fit with KV for each at "
+                                         "max_model_len 64") for r in caplog.records)
 
 
 def test_a_device_without_memory_statistics_runs_64_sequences(hybrid_dir):
