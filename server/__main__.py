@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing that changes outputs vs BF16) (default: %(default)s)")
     g = p.add_argument_group("SchedulerConfig")
     g.add_argument("--max-num-seqs", type=int, default=None,
-                   help=engine("max_num_seqs", "sequences each replica runs at once"))
+                   help="sequences each replica runs at once (default: the most, up to 64, whose recurrent state "
+                        "and KV cache at --max-model-len each fit in memory; the start-up log says how many)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=engine("max_num_batched_tokens", "tokens each replica runs in one step"))
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,

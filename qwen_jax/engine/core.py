@@ -41,7 +41,9 @@ RANDOM_LOAD_FORMATS = ("dummy", "dummy_echo")
 LOAD_FORMATS = ("auto", *RANDOM_LOAD_FORMATS)
 ENGINE_ARGS = dict(
     max_model_len=None,  # default: the model's max_position_embeddings, capped at 8192
-    max_num_seqs=64,  # per data-parallel replica (as vLLM's is per DP rank)
+    # Per data-parallel replica (as vLLM's is per DP rank); None: the most, up to 64, that fit with KV for each at
+    # max_model_len (engine/memory_plan.py; 64 where the device reports no memory).
+    max_num_seqs=None,
     # Tokens per replica and step; None: 8192 on a GPU (vLLM's server default on H100/H200-class GPUs: fewer, fuller
     # prefill steps; H200, 35B-A3B: 64k prefill tokens/s at 8192 against 48k at 2048), 2048 elsewhere.
     max_num_batched_tokens=None,

@@ -8,15 +8,18 @@ reads them back.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine import buckets
 from qwen_jax.engine.compilation import Compiler, uses_workers
 from qwen_jax.engine.memory import BlockPool, SlotPool
+from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, plan_memory
 from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.programs import Shapes
 from qwen_jax.engine.runner import ModelRunner
@@ -24,7 +27,10 @@ from qwen_jax.engine.scheduler import Scheduler
 from qwen_jax.engine.sequence import Sequence
 from qwen_jax.engine.speculative import DraftPolicy, parse_speculative_config
 from sharding import rules
+from sharding.mesh import AXES, EXPERT, TENSOR, model_parallel_size
 from sharding.mesh import describe as describe_mesh
+
+log = logging.getLogger("qwen_jax")
 
 # Decode steps of at most DECODE_STEPS_MAX_ROWS requests run DECODE_STEPS at a time in one program (on a GPU; the
 # engine argument num_scheduler_steps overrides the count): issuing a step costs the host more than the GPU takes to
@@ -51,7 +57,6 @@ class Replica:
         self.cfg = cfg
         self.mesh = mesh
         self.max_model_len = max_model_len
-        self.max_num_seqs = int(args["max_num_seqs"])
         budget = args["max_num_batched_tokens"]
         if budget is None:
             budget = GPU_BATCHED_TOKENS if jax.default_backend() == "gpu" else BATCHED_TOKENS
@@ -84,14 +89,12 @@ class Replica:
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
     def _size_memory(self, args: dict, fixed_drafts: int, params: dict | None) -> None:
-        """Cache sizes from the tightest device of this replica: its free memory (after the weights are placed:
-        `params`' leaves that are only shapes yet count as placed) and its shard of a block / slot (a slot also holds
-        a row of penalty counts, whole on every device). `fixed_drafts`: the drafts every verify step must verify
-        (a fixed speculative config; 0: none)."""
+        """Cache sizes from the tightest device of this replica (memory_plan.plan_memory): its memory after the
+        weights (`params`' leaves that are only shapes yet count as placed) and its shard of a block / slot (a slot
+        also holds a row of penalty counts, whole on every device). `fixed_drafts`: the drafts every verify step must
+        verify (a fixed speculative config; 0: none). A configuration that does not fit is refused here, before any
+        program compiles."""
         cfg, block_size = self.cfg, self.block_size
-        per_block = rules.cache_bytes_per_device(cfg, self.mesh, 1, block_size, 0)  # KV pages of every layer
-        per_slot = rules.cache_bytes_per_device(cfg, self.mesh, 0, block_size, 1)  # GDN state of every layer
-        per_counts = 4 * cfg.vocab_size  # a slot's penalty counts
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = [d.memory_stats() or {} for d in local]
         # weights and caches may take this share of each device; 5% more than gpu_memory_utilization asks is held
@@ -99,19 +102,36 @@ class Replica:
         share = float(args["gpu_memory_utilization"]) - 0.05
         held_back = float("inf")  # memory left to activations and compiled programs
         if not local:  # a replica on other hosts: theirs decide (the allgather below)
-            budget = float("inf")
+            capacity, weights = float("inf"), 0.0
         elif all("bytes_limit" in s for s in stats):
             unplaced = rules.shard_bytes([leaf for leaf in jax.tree.leaves(params or {})
                                           if isinstance(leaf, jax.ShapeDtypeStruct)])
-            budget = min(s["bytes_limit"] * share - s["bytes_in_use"] - unplaced for s in stats)
+            capacity, weights = min(((s["bytes_limit"] * share, s["bytes_in_use"] + unplaced) for s in stats),
+                                    key=lambda device: device[0] - device[1])
             held_back = min(s["bytes_limit"] * (1.0 - share) for s in stats)
-        else:
-            budget = float(args["cpu_cache_budget_gib"]) * 2**30
+        else:  # no memory statistics (the CPU): a fixed cache budget, the weights not counted
+            capacity, weights = float(args["cpu_cache_budget_gib"]) * 2**30, 0.0
         if jax.process_count() > 1:  # every host must build the same cache shapes and verify programs
-            budget, held_back = (float(v) for v in np.min(multihost_utils.process_allgather(
-                np.array([budget, held_back], np.float64)), axis=0))
+            hosts = multihost_utils.process_allgather(np.array([capacity, weights, held_back], np.float64))
+            capacity, weights = (float(v) for v in hosts[np.argmin(hosts[:, 0] - hosts[:, 1]), :2])
+            held_back = float(hosts[:, 2].min())
+        max_num_seqs = args["max_num_seqs"]
+        if max_num_seqs is None and held_back == float("inf"):  # no device reports its memory: the cap, as before
+            max_num_seqs = MAX_NUM_SEQS_CAP
+        footprint = self._footprint(self.mesh, weights)
+        plan = plan_memory(capacity, footprint, block_size=block_size,
+                           max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                           keeps_snapshots=cfg.is_hybrid and bool(args["enable_prefix_caching"]),
+                           num_snapshots=args["num_snapshots"], num_kv_blocks=args["num_kv_blocks"],
+                           wider=self._wider_footprints)
+        if max_num_seqs is None:
+            log.info("replica %d: max_num_seqs %d (the most, up to %d, that fit with KV for each at max_model_len "
+                     "%d; --max-num-seqs sets it)", self.index, plan.max_num_seqs, MAX_NUM_SEQS_CAP,
+                     self.max_model_len)
+        self.max_num_seqs, self.num_blocks, self.num_snapshots = plan.max_num_seqs, plan.num_blocks, plan.num_snapshots
         # A verify step keeps every GDN layer's state after each of its tokens until its commit (a slot's worth a
         # token), in the memory held back from the cache: its tokens are capped to fit (None: no cap known).
+        per_slot = footprint.per_slot
         self.max_verify_tokens = None
         if per_slot and held_back < float("inf"):  # the largest token bucket that fits (a step pads to one)
             fits = int(VERIFY_STATES_SHARE * held_back // per_slot)
@@ -123,26 +143,23 @@ class Replica:
             raise ValueError(f"a verify step of one request with {fixed_drafts} drafts keeps {fixed_drafts + 1} "
                              f"tokens' recurrent states ({need:.2f} GiB), more than the {room:.2f} GiB it may take: "
                              f"lower num_speculative_tokens or --gpu-memory-utilization")
-        blocks_per_seq = -(-self.max_model_len // block_size)
-        state_bytes = (self.max_num_seqs + 1) * (per_slot + per_counts)
-        snapshots = args["num_snapshots"]
-        if snapshots is None:
-            snapshots = (2 * self.max_num_seqs + 1) if per_slot else 0
-            snapshots = int(min(snapshots, 0.2 * max(budget - state_bytes, 0) // max(per_slot, 1)))
-        self.num_snapshots = int(snapshots) if (cfg.is_hybrid and args["enable_prefix_caching"]) else 0
-        left = budget - state_bytes - self.num_snapshots * per_slot
-        wanted = 2 * self.max_num_seqs * blocks_per_seq + 1  # room for every sequence at full length, plus cache
-        fits = int(left // per_block) if per_block else wanted
-        self.num_blocks = max(2, min(wanted, fits))
-        if args["num_kv_blocks"] is not None:
-            self.num_blocks = int(args["num_kv_blocks"]) + 1  # + the reserved padding sink
-        if self.num_blocks - 1 < blocks_per_seq:
-            raise ValueError(f"only {self.num_blocks - 1} KV blocks fit in memory, one sequence of max_model_len "
-                             f"{self.max_model_len} needs {blocks_per_seq}: lower max_model_len or raise "
-                             f"gpu_memory_utilization")
-        if state_bytes > budget:
-            raise ValueError(f"recurrent state for {self.max_num_seqs} sequences needs {state_bytes / 2**30:.1f} GiB, "
-                             f"{budget / 2**30:.1f} GiB are free: lower max_num_seqs")
+
+    def _footprint(self, mesh: Mesh | AbstractMesh, weights: float) -> Footprint:
+        """This model's bytes on one device of `mesh`: `weights`, and its shard of a slot and of a KV block."""
+        return Footprint(weights=weights, per_slot=rules.cache_bytes_per_device(self.cfg, mesh, 0, self.block_size, 1),
+                         per_counts=4 * self.cfg.vocab_size,
+                         per_block=rules.cache_bytes_per_device(self.cfg, mesh, 1, self.block_size, 0))
+
+    def _wider_footprints(self) -> list[tuple[int, Footprint]]:
+        """(tensor-parallel size, footprint there) at 2, 4 and 8 times this replica's devices, split the same way
+        (experts on their own axis or not): what a refusal offers as the smallest -tp that fits."""
+        size = model_parallel_size(self.mesh)
+        axis = EXPERT if self.mesh.shape[EXPERT] > 1 else TENSOR
+        wider = []
+        for tp in (2 * size, 4 * size, 8 * size):
+            mesh = AbstractMesh(tuple(tp if a == axis else 1 for a in AXES), AXES)
+            wider.append((tp, self._footprint(mesh, rules.shard_bytes(rules.abstract_params(self.cfg, mesh)))))
+        return wider
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,199 @@
+"""The memory plan: which limit binds first (the weights, then the sequences' recurrent state, then one sequence's KV at
+max_model_len), the message that names it with the value that fits, the sequence count chosen when none is given,
+and a refusal before anything compiles.
+
+The 35B-A3B's sizes come from its published config laid out over abstract meshes (no device); the device in the
+engine tests is the CPU with its memory statistics faked.
+"""
+
+import logging
+
+import jax
+import pytest
+from jax._src.dispatch import BACKEND_COMPILE_EVENT
+from jax.sharding import AbstractMesh
+from support import shared_data
+
+from qwen_jax.config import load_config
+from qwen_jax.engine.core import EngineCore, engine_args
+from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, MemoryPlanError, plan_memory
+from qwen_jax.engine.replica import Replica
+from sharding import rules
+from sharding.mesh import AXES, replica_meshes
+
+GiB = 2**30
+H100 = 79.19 * GiB  # what XLA reports as an H100 80 GB's bytes_limit
+BLOCK = 16
+
+
+def capacity(utilization: float, device: float = H100) -> float:
+    """What weights and caches may take: gpu_memory_utilization of the device less the 5% reserve."""
+    return device * (utilization - 0.05)
+
+
+@pytest.fixture(scope="module")
+def big():
+    """35B-A3B's footprint at tensor-parallel size 1, and the sizes 2, 4 and 8 a refusal may offer."""
+    cfg = load_config(str(shared_data("configs", "Qwen3.5-35B-A3B.json")))
+
+    def at(tp: int) -> Footprint:
+        mesh = AbstractMesh((1, 1, tp), AXES)
+        return Footprint(weights=rules.shard_bytes(rules.abstract_params(cfg, mesh)),
+                         per_slot=rules.cache_bytes_per_device(cfg, mesh, 0, BLOCK, 1),
+                         per_counts=4 * cfg.vocab_size,
+                         per_block=rules.cache_bytes_per_device(cfg, mesh, 1, BLOCK, 0))
+
+    one = at(1)
+    assert 66 * GiB < one.weights < 66.2 * GiB and 61 * 2**20 < one.per_slot < 62 * 2**20  # MTP head included
+    return one, [(tp, at(tp)) for tp in (2, 4, 8)]
+
+
+def plan(big, utilization: float, max_num_seqs: int | None, max_model_len: int, **given):
+    footprint, wider = big
+    return plan_memory(capacity(utilization), footprint, block_size=BLOCK, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, keeps_snapshots=True, wider=lambda: wider, **given)
+
+
+def test_too_many_sequences_names_max_num_seqs_and_the_most_that_fit(big):
+    """H100 at gpu_memory_utilization 0.9: 1.18 GiB beside the weights, 62.4 MiB a sequence's state. The refusal
+    names --max-num-seqs with the largest count the plan accepts (one more is refused), and -tp 2, where 64 fit."""
+    with pytest.raises(MemoryPlanError) as refused:
+        plan(big, 0.9, 64, 4096)
+    assert refused.value.limit == "max_num_seqs" and refused.value.fits == 16
+    assert str(refused.value) == (
+        "recurrent state for 64 sequences needs 3.96 GiB (65 slots of 62.4 MiB), 1.18 GiB are free beside the "
+        "weights: at most 16 sequences fit at max_model_len 4096 on this device; use --max-num-seqs 16, or -tp 2")
+    assert plan(big, 0.9, 16, 4096).max_num_seqs == 16
+    with pytest.raises(MemoryPlanError, match="or --max-num-seqs 16 to keep max_model_len 4096"):
+        plan(big, 0.9, 17, 4096)  # 17 states fit, but not beside 4,096 tokens of KV
+    footprint, wider = big
+    assert plan_memory(capacity(0.9), dict(wider)[2], block_size=BLOCK, max_model_len=4096, max_num_seqs=64,
+                       keeps_snapshots=True).max_num_seqs == 64
+
+
+def test_too_long_a_max_model_len_names_the_longest_that_fits(big):
+    """16 sequences' states fit, but then one sequence of 16,384 tokens does not find its KV blocks: the refusal
+    names the longest max_model_len that fits (one block more is refused) and the sequences that keep 16,384."""
+    with pytest.raises(MemoryPlanError) as refused:
+        plan(big, 0.9, 16, 16384)
+    assert refused.value.limit == "max_model_len" and refused.value.fits == 6768
+    assert str(refused.value) == (
+        "one sequence of max_model_len 16384 needs 1024 KV blocks of 16 tokens (0.34 GiB); 423 fit beside the "
+        "recurrent state of 16 sequences: the longest max_model_len that fits is 6768; use --max-model-len 6768, or "
+        "--max-num-seqs 11 to keep max_model_len 16384, or -tp 2")
+    assert plan(big, 0.9, 16, 6768).num_blocks == 1 + 423
+    with pytest.raises(MemoryPlanError, match="longest max_model_len that fits is 6768"):
+        plan(big, 0.9, 16, 6768 + BLOCK)
+    assert plan(big, 0.9, 11, 16384).max_num_seqs == 11
+    with pytest.raises(MemoryPlanError, match="--max-num-seqs 11 to keep"):
+        plan(big, 0.9, 12, 16384)
+
+
+def test_weights_that_leave_no_room_name_the_smallest_tensor_parallel_size(big):
+    """At 0.85 the weights alone (66.1 GiB) exceed the 63.4 GiB weights and cache may take: the refusal says so,
+    whatever else is asked, and offers -tp 2; on a device too small for any offered size it offers none."""
+    for max_num_seqs, max_model_len in [(None, 4096), (64, 262144)]:
+        with pytest.raises(MemoryPlanError) as refused:
+            plan(big, 0.85, max_num_seqs, max_model_len)
+        assert refused.value.limit == "weights" and refused.value.fits == 2
+        assert str(refused.value) == (
+            "the weights take 66.13 GiB a device and the cache of one sequence at least 0.12 GiB more; this device "
+            "holds 63.35 GiB for weights and cache at this --gpu-memory-utilization: use -tp 2")
+    footprint, wider = big
+    with pytest.raises(MemoryPlanError, match="use more devices") as refused:
+        plan_memory(capacity(0.9, 8 * GiB), footprint, block_size=BLOCK, max_model_len=4096, max_num_seqs=None,
+                    keeps_snapshots=True, wider=lambda: wider)
+    assert refused.value.limit == "weights" and refused.value.fits is None
+
+
+def test_the_checks_run_weights_then_sequences_then_max_model_len(big):
+    """A configuration over every limit is refused for the first that binds: 64 sequences at 16,384 tokens name
+    the weights at 0.85 and the sequences at 0.9 (where 11 fit at 16,384 tokens); at 262,144 tokens, where not one
+    sequence of max_model_len fits, max_model_len, with the one sequence that may then run."""
+    with pytest.raises(MemoryPlanError) as refused:
+        plan(big, 0.85, 64, 16384)
+    assert refused.value.limit == "weights"
+    with pytest.raises(MemoryPlanError) as refused:
+        plan(big, 0.9, 64, 16384)
+    assert refused.value.limit == "max_num_seqs" and refused.value.fits == 11
+    with pytest.raises(MemoryPlanError) as refused:
+        plan(big, 0.9, 64, 262144)
+    assert refused.value.limit == "max_model_len" and refused.value.fits == 41728
+    assert "use --max-model-len 41728 --max-num-seqs 1, or -tp 2" in str(refused.value)
+    assert plan(big, 0.9, 1, 41728).max_num_seqs == 1
+
+
+def test_without_max_num_seqs_the_plan_takes_the_most_with_room_for_each_at_max_model_len(big):
+    """The most sequences, up to 64, whose states fit with KV blocks for every one at max_model_len: one more would
+    leave too few blocks; a device with room for more stays at 64; a long max_model_len still gets one sequence."""
+    chosen = plan(big, 0.97, None, 4096)
+    assert chosen.max_num_seqs == 39 and chosen.num_blocks - 1 >= 39 * 4096 // BLOCK
+    assert plan(big, 0.97, 40, 4096).num_blocks - 1 < 40 * 4096 // BLOCK
+    assert plan(big, 0.97, None, 8192).max_num_seqs == 24
+    assert plan(big, 0.9, None, 4096, num_kv_blocks=3 * 4096 // BLOCK).max_num_seqs == 3
+    h200 = plan_memory(capacity(0.9, 139.8 * GiB), big[0], block_size=BLOCK, max_model_len=8192,
+                       max_num_seqs=None, keeps_snapshots=True)
+    assert h200.max_num_seqs == MAX_NUM_SEQS_CAP
+    assert plan(big, 0.9, None, 41728).max_num_seqs == 1
+
+
+@pytest.fixture
+def tiny(hybrid_dir, monkeypatch):
+    """The tiny hybrid model on one CPU device that reports `room` bytes free beside its weights (bytes_in_use set
+    so): returns (config, mesh, footprint, set_room)."""
+    cfg = load_config(hybrid_dir)
+    mesh = replica_meshes(1)[0]
+    weights = rules.shard_bytes(rules.abstract_params(cfg, mesh))
+    footprint = Footprint(weights, rules.cache_bytes_per_device(cfg, mesh, 0, BLOCK, 1), 4 * cfg.vocab_size,
+                          rules.cache_bytes_per_device(cfg, mesh, 1, BLOCK, 0))
+    limit = 2**30  # at gpu_memory_utilization 0.9, 0.85 of it for weights and cache
+
+    def set_room(room: int) -> None:
+        in_use = int(limit * 0.85) - weights - room
+        monkeypatch.setattr(type(jax.devices()[0]), "memory_stats",
+                            lambda self: {"bytes_limit": limit, "bytes_in_use": in_use})
+
+    return cfg, mesh, footprint, set_room
+
+
+def test_an_engine_that_cannot_fit_is_refused_before_anything_compiles(hybrid_dir, tiny):
+    """8 sequences on a device with room for the states of 3 slots beside one sequence's 4 KV blocks (and the sink):
+    the engine refuses at construction, naming --max-num-seqs 2, and nothing has compiled (the weights never
+    load)."""
+    _, _, footprint, set_room = tiny
+    set_room(3 * (footprint.per_slot + footprint.per_counts) + 5 * footprint.per_block + 100)
+    compiles = []
+    listener = lambda name, seconds, **kwargs: compiles.append(name) if name == BACKEND_COMPILE_EVENT else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with pytest.raises(MemoryPlanError) as refused:
+            EngineCore(hybrid_dir, max_model_len=64, max_num_seqs=8, block_size=BLOCK, enable_prefix_caching=False)
+        assert compiles == []
+        jax.jit(lambda x: x + 1)(1)  # the listener sees a compile
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert refused.value.limit == "max_num_seqs" and refused.value.fits == 2
+    assert "at most 2 sequences fit at max_model_len 64 on this device; use --max-num-seqs 2" in str(refused.value)
+    assert compiles == [BACKEND_COMPILE_EVENT]
+
+
+def test_a_replica_without_max_num_seqs_runs_the_most_that_fit_and_logs_it(tiny, caplog):
+    """Room for 3 sequences' states and 4 KV blocks for each (plus the sinks), not for 4: the replica runs 3,
+    holds their blocks, and the log says so."""
+    cfg, mesh, footprint, set_room = tiny
+    set_room(4 * (footprint.per_slot + footprint.per_counts) + 13 * footprint.per_block + 100)
+    args = engine_args(dict(block_size=BLOCK, enable_prefix_caching=False, speculative_config="off"))
+    with caplog.at_level(logging.INFO, logger="qwen_jax"):
+        replica = Replica(0, cfg, rules.abstract_params(cfg, mesh), mesh, args, 64, [0], seed=0)
+    assert replica.max_num_seqs == 3 and replica.slots.num_slots == 4 and replica.blocks.num_usable == 12
+    assert any(r.getMessage().startswith("replica 0: max_num_seqs 3 (the most, up to 64, that fit with KV for each at "
+                                         "max_model_len 64") for r in caplog.records)
+
+
+def test_a_device_without_memory_statistics_runs_64_sequences(hybrid_dir):
+    """The CPU reports no memory: without max_num_seqs the engine runs the cap, 64, as it always has there."""
+    cfg = load_config(hybrid_dir)
+    mesh = replica_meshes(1)[0]
+    args = engine_args(dict(block_size=BLOCK, num_kv_blocks=14, speculative_config="off"))
+    replica = Replica(0, cfg, rules.abstract_params(cfg, mesh), mesh, args, 64, [0], seed=0)
+    assert replica.max_num_seqs == MAX_NUM_SEQS_CAP == 64 and replica.blocks.num_usable == 14
