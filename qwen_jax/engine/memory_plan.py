@@ -23,7 +23,8 @@ class Footprint:
 
     weights: float  # the weights, placed or not (and whatever else the device already holds)
     per_slot: int  # one sequence's recurrent state, every GDN layer (0: no GDN layer)
-    per_counts: int  # one sequence's row of penalty counts, whole on every device
+    per_counts: int  # one sequence's rows of the sampling tables (penalty counts, logit bias, bans, grammar mask),
+    # whole on every device
     per_block: int  # one KV block of every attention layer
 
 

@@ -23,6 +23,7 @@ from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, plan_memory
 from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.programs import Shapes
 from qwen_jax.engine.runner import ModelRunner
+from qwen_jax.engine.sampler import table_bytes_per_slot
 from qwen_jax.engine.scheduler import Scheduler
 from qwen_jax.engine.sequence import Sequence
 from qwen_jax.engine.speculative import DraftPolicy, parse_speculative_config
@@ -147,7 +148,7 @@ class Replica:
     def _footprint(self, mesh: Mesh | AbstractMesh, weights: float) -> Footprint:
         """This model's bytes on one device of `mesh`: `weights`, and its shard of a slot and of a KV block."""
         return Footprint(weights=weights, per_slot=rules.cache_bytes_per_device(self.cfg, mesh, 0, self.block_size, 1),
-                         per_counts=4 * self.cfg.vocab_size,
+                         per_counts=table_bytes_per_slot(self.cfg.vocab_size),
                          per_block=rules.cache_bytes_per_device(self.cfg, mesh, 1, self.block_size, 0))
 
     def _wider_footprints(self) -> list[tuple[int, Footprint]]:

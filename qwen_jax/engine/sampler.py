@@ -8,6 +8,7 @@ predicate on the host), and never lets one row's parameters or position change a
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -47,6 +48,11 @@ def table_shapes(num_slots: int, vocab_size: int) -> SamplingTables:
                           jax.ShapeDtypeStruct((num_slots, vocab_size), jnp.float32),
                           jax.ShapeDtypeStruct((num_slots, vocab_size), jnp.bool_),
                           jax.ShapeDtypeStruct((num_slots, mask_words(vocab_size)), jnp.int32))
+
+
+def table_bytes_per_slot(vocab_size: int) -> int:
+    """A slot's bytes in the sampling tables (one row of each)."""
+    return sum(math.prod(t.shape[1:]) * t.dtype.itemsize for t in table_shapes(1, vocab_size))
 
 
 def bias_row(params: SamplingParams, vocab_size: int) -> np.ndarray:

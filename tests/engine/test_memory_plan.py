@@ -18,6 +18,7 @@ from qwen_jax.config import load_config
 from qwen_jax.engine.core import EngineCore, engine_args
 from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, MemoryPlanError, plan_memory
 from qwen_jax.engine.replica import Replica
+from qwen_jax.engine.sampler import table_bytes_per_slot
 from sharding import rules
 from sharding.mesh import AXES, replica_meshes
 
@@ -40,7 +41,7 @@ def big():
         mesh = AbstractMesh((1, 1, tp), AXES)
         return Footprint(weights=rules.shard_bytes(rules.abstract_params(cfg, mesh)),
                          per_slot=rules.cache_bytes_per_device(cfg, mesh, 0, BLOCK, 1),
-                         per_counts=4 * cfg.vocab_size,
+                         per_counts=table_bytes_per_slot(cfg.vocab_size),
                          per_block=rules.cache_bytes_per_device(cfg, mesh, 1, BLOCK, 0))
 
     one = at(1)
@@ -55,13 +56,13 @@ def plan(big, utilization: float, max_num_seqs: int | None, max_model_len: int, 
 
 
 def test_too_many_sequences_names_max_num_seqs_and_the_most_that_fit(big):
-    """H100 at gpu_memory_utilization 0.9: 1.18 GiB beside the weights, 62.4 MiB a sequence's state. The refusal
+    """H100 at gpu_memory_utilization 0.9: 1.18 GiB beside the weights, 63.6 MiB a sequence's state and tables. The refusal
     names --max-num-seqs with the largest count the plan accepts (one more is refused), and -tp 2, where 64 fit."""
     with pytest.raises(MemoryPlanError) as refused:
         plan(big, 0.9, 64, 4096)
     assert refused.value.limit == "max_num_seqs" and refused.value.fits == 16
     assert str(refused.value) == (
-        "recurrent state for 64 sequences needs 3.96 GiB (65 slots of 62.4 MiB), 1.18 GiB are free beside the "
+        "recurrent state for 64 sequences needs 4.04 GiB (65 slots of 63.6 MiB), 1.18 GiB are free beside the "
         "weights: at most 16 sequences fit at max_model_len 4096 on this device; use --max-num-seqs 16, or -tp 2")
     assert plan(big, 0.9, 16, 4096).max_num_seqs == 16
     with pytest.raises(MemoryPlanError, match="or --max-num-seqs 16 to keep max_model_len 4096"):
@@ -76,14 +77,14 @@ def test_too_long_a_max_model_len_names_the_longest_that_fits(big):
     names the longest max_model_len that fits (one block more is refused) and the sequences that keep 16,384."""
     with pytest.raises(MemoryPlanError) as refused:
         plan(big, 0.9, 16, 16384)
-    assert refused.value.limit == "max_model_len" and refused.value.fits == 6768
+    assert refused.value.limit == "max_model_len" and refused.value.fits == 5808
     assert str(refused.value) == (
-        "one sequence of max_model_len 16384 needs 1024 KV blocks of 16 tokens (0.34 GiB); 423 fit beside the "
-        "recurrent state of 16 sequences: the longest max_model_len that fits is 6768; use --max-model-len 6768, or "
+        "one sequence of max_model_len 16384 needs 1024 KV blocks of 16 tokens (0.34 GiB); 363 fit beside the "
+        "recurrent state of 16 sequences: the longest max_model_len that fits is 5808; use --max-model-len 5808, or "
         "--max-num-seqs 11 to keep max_model_len 16384, or -tp 2")
-    assert plan(big, 0.9, 16, 6768).num_blocks == 1 + 423
-    with pytest.raises(MemoryPlanError, match="longest max_model_len that fits is 6768"):
-        plan(big, 0.9, 16, 6768 + BLOCK)
+    assert plan(big, 0.9, 16, 5808).num_blocks == 1 + 363
+    with pytest.raises(MemoryPlanError, match="longest max_model_len that fits is 5808"):
+        plan(big, 0.9, 16, 5808 + BLOCK)
     assert plan(big, 0.9, 11, 16384).max_num_seqs == 11
     with pytest.raises(MemoryPlanError, match="--max-num-seqs 11 to keep"):
         plan(big, 0.9, 12, 16384)
@@ -118,9 +119,9 @@ def test_the_checks_run_weights_then_sequences_then_max_model_len(big):
     assert refused.value.limit == "max_num_seqs" and refused.value.fits == 11
     with pytest.raises(MemoryPlanError) as refused:
         plan(big, 0.9, 64, 262144)
-    assert refused.value.limit == "max_model_len" and refused.value.fits == 41728
-    assert "use --max-model-len 41728 --max-num-seqs 1, or -tp 2" in str(refused.value)
-    assert plan(big, 0.9, 1, 41728).max_num_seqs == 1
+    assert refused.value.limit == "max_model_len" and refused.value.fits == 41616
+    assert "use --max-model-len 41616 --max-num-seqs 1, or -tp 2" in str(refused.value)
+    assert plan(big, 0.9, 1, 41616).max_num_seqs == 1
 
 
 def test_without_max_num_seqs_the_plan_takes_the_most_with_room_for_each_at_max_model_len(big):
@@ -134,7 +135,7 @@ def test_without_max_num_seqs_the_plan_takes_the_most_with_room_for_each_at_max_
     h200 = plan_memory(capacity(0.9, 139.8 * GiB), big[0], block_size=BLOCK, max_model_len=8192,
                        max_num_seqs=None, keeps_snapshots=True)
     assert h200.max_num_seqs == MAX_NUM_SEQS_CAP
-    assert plan(big, 0.9, None, 41728).max_num_seqs == 1
+    assert plan(big, 0.9, None, 41616).max_num_seqs == 1
 
 
 @pytest.fixture
@@ -144,7 +145,8 @@ def tiny(hybrid_dir, monkeypatch):
     cfg = load_config(hybrid_dir)
     mesh = replica_meshes(1)[0]
     weights = rules.shard_bytes(rules.abstract_params(cfg, mesh))
-    footprint = Footprint(weights, rules.cache_bytes_per_device(cfg, mesh, 0, BLOCK, 1), 4 * cfg.vocab_size,
+    footprint = Footprint(weights, rules.cache_bytes_per_device(cfg, mesh, 0, BLOCK, 1),
+                          table_bytes_per_slot(cfg.vocab_size),
                           rules.cache_bytes_per_device(cfg, mesh, 1, BLOCK, 0))
     limit = 2**30  # at gpu_memory_utilization 0.9, 0.85 of it for weights and cache
 
