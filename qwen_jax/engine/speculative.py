@@ -90,8 +90,9 @@ def parse_speculative_config(config: dict | str | None, has_mtp: bool = True) ->
 # for 35B-A3B: 46 GB at 256 rows of k = 3 ran out of memory), and the memory held back from the caches fits ~300
 # such tokens on an H200 (replica.VERIFY_STATES_SHARE caps every verify step to it, `max_verify_tokens`).
 VERIFY_COST = {1: (1.37, 1.68, 1.92), 4: (1.46, 1.90, 2.25), 16: (1.63, 1.97, 2.18), 64: (1.37, 1.46, 1.56)}
-# A fresh engine expects each draft accepted with this probability (Qwen3.5's head on real text: acceptance lengths
-# ~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3), held as PRIOR_ROWS verified rows' worth of evidence.
+# A fresh engine expects each draft accepted with this probability, held as PRIOR_ROWS verified rows' worth of
+# evidence: below what Qwen3.5's published acceptance lengths imply (~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3, about 0.9 a
+# draft; 0.8 gives 1.8 / 2.4 / 3.0), so a fresh engine does not overrate speculation.
 PRIOR_ACCEPTANCE, PRIOR_ROWS = 0.8, 8.0
 # The estimate forgets a verified row's evidence with this weight a row (~256 rows of memory).
 DECAY = 1.0 - 1.0 / 256
