@@ -54,7 +54,7 @@ def tools_server(qwen_model_dir, compilation_cache_dir):
     from server.app import ServerConfig, create_app
 
     engine = AsyncLLM.from_engine_args(qwen_model_dir, **ENGINE_ARGS)
-    app = create_app(engine, ServerConfig(served_model_name="tools", max_num_seqs=4))
+    app = create_app(engine, ServerConfig(served_model_names=("tools",), max_num_seqs=4))
     srv = ServerThread(app, "127.0.0.1", free_port())
     srv.start(START_TIMEOUT_S)
     yield srv
