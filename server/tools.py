@@ -243,7 +243,7 @@ def _read_json(body: str) -> tuple[str | None, str | None]:
     """A JSON-format call's name (once its member is complete) and its arguments (the `arguments` or `parameters`
     member: an object, or a string holding one, read once complete) as far as they are complete."""
     name, arguments = None, None
-    for member_start, member_end in _members(body, 0):
+    for member_start, member_end in _members(body):
         key = _KEY.match(body, member_start)
         if key is None:
             break
@@ -271,7 +271,7 @@ def _arguments(text: str) -> str:
     members as written, up to the first that is not strict JSON (a number too large for a double: the text the model
     wrote, as `_strict_json` keeps it)."""
     members = []
-    for start, end in _members(text, 0):
+    for start, end in _members(text):
         if end is None:
             break
         member = text[start:end].strip()
@@ -285,12 +285,12 @@ def _arguments(text: str) -> str:
     return "{" + ", ".join(members)
 
 
-def _members(text: str, start: int) -> list[tuple[int, int | None]]:
-    """The (start, end) of each member of the JSON object opening at text[start] ("{"), as far as it is written;
-    the last one's end is None while it is unfinished. Only counts brackets and strings: values are not checked."""
+def _members(text: str) -> list[tuple[int, int | None]]:
+    """The (start, end) of each member of the JSON object `text` opens ("{"), as far as it is written; the last
+    one's end is None while it is unfinished. Only counts brackets and strings: values are not checked."""
     spans: list[tuple[int, int | None]] = []
-    member, depth, in_string, escaped = start + 1, 0, False, False
-    for at in range(start, len(text)):
+    member, depth, in_string, escaped = 1, 0, False, False
+    for at in range(len(text)):
         ch = text[at]
         if in_string:
             escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
