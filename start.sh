@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start the qwen-jax server in the background and return once /health answers 200 (or fail with the log tail).
 # Installs nothing: run `pip install -e .` first. Usage: ./start.sh [python -m server args] | ./start.sh --stop
-#   QWEN_JAX_LOG           log file (default ./logs/server.log)
+#   QWEN_JAX_LOG           log file (default ./logs/server.log); the previous start's is kept as its .1
 #   QWEN_JAX_PID_FILE      pid file (default ./logs/server.pid)
 #   QWEN_JAX_START_TIMEOUT seconds to wait for /health (default 600)
 #   QWEN_JAX_STOP_TIMEOUT  seconds to wait after SIGTERM before SIGKILL (default 60)
@@ -75,6 +75,7 @@ if pid="$(running_pid)"; then
 fi
 
 mkdir -p "$(dirname "$LOG")" "$(dirname "$PID_FILE")"
+[[ -f "$LOG" ]] && mv -f "$LOG" "$LOG.1"  # the last run's log, kept for one more start
 echo "start.sh: starting 'python -m server $*' (log: $LOG)"
 setsid nohup "$PYTHON" -m server "$@" >"$LOG" 2>&1 </dev/null &
 PID=$!

@@ -38,7 +38,7 @@ fi
 
 export QWEN_JAX_LOG="$OUT/server.log" QWEN_JAX_START_TIMEOUT=${QWEN_JAX_START_TIMEOUT:-300}
 URL=http://127.0.0.1:8000
-SERVER_ARGS=(--model "$MODEL" --load-format dummy --max-model-len "${MAX_MODEL_LEN:-4096}"
+SERVER_ARGS=(--model "$MODEL" --served-model-name m --load-format dummy --max-model-len "${MAX_MODEL_LEN:-4096}"
              --max-num-seqs "${MAX_NUM_SEQS:-64}" --port 8000 --kernels "${KERNELS:-gpu}"
              --compilation-cache-dir /tmp/qwen_jax_cc)
 chat() {  # one greedy chat request, its JSON reply saved to $OUT/chat.json
@@ -88,7 +88,7 @@ fi
 
 if part latency_4b; then  # single-request latency of the dense hybrid (Qwen3.5-4B shapes), through the server
   M4=.devdata/Qwen3.5-4B
-  ./start.sh --model "$M4" --load-format dummy --max-model-len 8704 --max-num-seqs 4 --port 8000 \
+  ./start.sh --model "$M4" --served-model-name m --load-format dummy --max-model-len 8704 --max-num-seqs 4 --port 8000 \
     --kernels "${KERNELS:-gpu}" --compilation-cache-dir /tmp/qwen_jax_cc > "$OUT/start_4b.txt" 2>&1 || tail -30 "$OUT/server.log"
   timeout "${T_LATENCY:-400}" python3 -m qwen_jax.bench.latency --base-url "$URL" --model m --tokenizer "$M4" \
     --num-requests "${LAT_N:-50}" --results "$OUT/RESULTS.json" --device H200 --device-count 1 --layout TP=1 \

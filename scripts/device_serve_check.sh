@@ -14,8 +14,8 @@ export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0 QWEN_JAX_LOG="$OUT/server.log" QWE
 [[ "${LOG_COMPILES:-0}" == 1 ]] && export JAX_LOG_COMPILES=1
 # LOAD_FORMAT=dummy_echo with TEMPERATURE=0: full acceptance of the MTP head's drafts (weights.py); SPEC_CONFIG:
 # --speculative-config
-ARGS=(--model "$MODEL" --load-format "${LOAD_FORMAT:-dummy}" ${SPEC_CONFIG:+--speculative-config "$SPEC_CONFIG"}
-      --max-model-len "${MAX_MODEL_LEN:-4096}" --max-num-seqs
+ARGS=(--model "$MODEL" --served-model-name m --load-format "${LOAD_FORMAT:-dummy}"
+      ${SPEC_CONFIG:+--speculative-config "$SPEC_CONFIG"} --max-model-len "${MAX_MODEL_LEN:-4096}" --max-num-seqs
       "${MAX_NUM_SEQS:-256}" --kernels "${KERNELS:-auto}" --port 8000 --compilation-cache-dir /tmp/qwen_jax_cc)
 URL=http://127.0.0.1:8000
 now() { date +%s.%N; }

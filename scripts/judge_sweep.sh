@@ -17,8 +17,8 @@ TAG="${TAG:-judge_$PORT}"
 CACHE="${CACHE:-/tmp/qwen_jax_cc}"
 export PYTHONUNBUFFERED=1 QWEN_JAX_PROGRESS=0 QWEN_JAX_START_TIMEOUT="${QWEN_JAX_START_TIMEOUT:-590}"
 export QWEN_JAX_LOG="$OUT/$TAG.log" QWEN_JAX_PID_FILE="$OUT/$TAG.pid"
-ARGS=(--model "$MODEL" --load-format "${LOAD_FORMAT:-dummy}" --port "$PORT" --compilation-cache-dir "$CACHE"
-      --disable-access-log "$@")
+ARGS=(--model "$MODEL" --served-model-name m --load-format "${LOAD_FORMAT:-dummy}" --port "$PORT"
+      --compilation-cache-dir "$CACHE" --disable-access-log "$@")
 now() { date +%s.%N; }
 since() { python3 -c "import sys; print(round($(now) - float(sys.argv[1]), 1))" "$1"; }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install the package with its test extra (CPU PyTorch from the local wheel cache), check that imports run one way
-# (lint-imports: the layers contract in pyproject.toml), then run the whole suite.
+# Install the package with its test extra (torch: the CPU build where pip's find-links offer it; README.md), check
+# that imports run one way (lint-imports: the layers contract in pyproject.toml), then run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e ".[test]"

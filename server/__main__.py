@@ -94,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(nothing is downloaded) (default: the built-in tiny random model)")
     g.add_argument("--tokenizer", default=None,
                    help="a tokenizer directory or cached hub id other than the model's (default: the model's)")
-    g.add_argument("--served-model-name", default=None,
-                   help="name reported by /v1/models and in responses (default: the model directory's name)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names a request's 'model' may give (any other is a 404); the first is the one "
+                        "responses and metrics carry; /v1/models lists them all (default: the model directory's "
+                        "name)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vllm serve's command lines; not needed: no model code is ever loaded from a "
                         "checkpoint (default: off)")
@@ -501,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
              ", experts split" if engine.engine_args.get("enable_expert_parallel") else "")
     # --max-num-seqs is per data-parallel replica (as in vLLM): the engine runs dp times as many sequences at once.
     running = (args.max_num_seqs or 64) * dp
-    config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
+    config = ServerConfig(served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key,
                           max_num_seqs=running, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
                           chat_template=args.chat_template, access_log=not args.disable_access_log,

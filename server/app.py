@@ -154,20 +154,23 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
     app.add_url_rule("/health", "health", health, methods=["GET"])
     app.add_url_rule("/ping", "ping", health, methods=["GET"])
 
-    def model_card() -> dict:
-        return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "qwen-jax",
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "qwen-jax",
                 "root": state.model_name, "parent": None, "max_model_len": engine.max_model_len}
+
+    def check_model(name: str | None) -> None:
+        """A request may name any of the served names, or none (vLLM's rule); another name is a 404."""
+        if name and name not in state.model_names:
+            raise APIError(f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found")
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json({"object": "list", "data": [model_card()]})
+        return _json({"object": "list", "data": [model_card(name) for name in state.model_names]})
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        if model_id != state.model_name:
-            raise APIError(f"The model '{model_id}' does not exist (this server serves '{state.model_name}')",
-                           status=404, param="model", code="model_not_found")
-        return _json(model_card())
+        check_model(model_id)
+        return _json(model_card(model_id))
 
     @app.get("/version")
     async def server_version() -> Response:
@@ -182,9 +185,10 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Quart:
         return _json(openapi_document("qwen-jax OpenAI-compatible API", version()))
 
     def typed(model: type, body: dict) -> Any:
-        """A decoded body as `model`, its unknown fields logged (once per field and route)."""
+        """A decoded body as `model`, its unknown fields logged (once per field and route), its `model` served."""
         req = validate(model, body, state.vocab_size, config.max_logprobs)
         state.note_ignored(request.path, ignored_fields(req))
+        check_model(req.model)
         return req
 
     @app.post("/tokenize")

@@ -482,7 +482,7 @@ class _ChatPrompt(_Model):
 class _Sampling(_Model):
     """The fields every generation request shares: the sampler's and the stop rules' (vLLM's SamplingParams)."""
 
-    model: str | None = Field(None, description="any name: the server serves one model")
+    model: str | None = Field(None, description="one of the served names (none: the first)")
     max_tokens: PositiveInt32 | None = Field(None, description="default: the room left in the context")
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0

@@ -40,7 +40,9 @@ JSON_WHITESPACE = {"bounded": {}, "any": {"any_whitespace": True}, "none": {"dis
 
 @dataclasses.dataclass
 class ServerConfig:
-    served_model_name: str | None = None
+    # the names a request's `model` may give (any other is a 404); the first is the one responses and metrics carry
+    # (none: the model directory's name)
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     max_num_seqs: int = 64  # the engine's batch (all replicas); admission allows this many running plus the queue
     max_queue_len: int = 1024  # engine requests allowed to wait beyond max_num_seqs; more get 503
@@ -69,7 +71,8 @@ class ServerState:
     def __init__(self, engine: Any, config: ServerConfig):
         self.engine = engine
         self.config = config
-        self.model_name = config.served_model_name or engine.model_name
+        self.model_names = config.served_model_names or (engine.model_name,)
+        self.model_name = self.model_names[0]
         self.tokenizer = engine.tokenizer
         self.in_flight = 0  # engine requests admitted and not yet finished
         self.start_error: str | None = None

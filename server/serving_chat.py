@@ -78,13 +78,10 @@ class ChatChoice(ChoiceWriter):
             reasoning, content = reasoning + r2, content + c2
         calls: list[dict] = []
         if self.tools is not None:
-            reasoning, found = self.think_tools.feed(reasoning)
+            reasoning, found = self.think_tools.feed(reasoning, end=out.finished)
             calls += found
-            content, found = self.tools.feed(content)
+            content, found = self.tools.feed(content, end=out.finished)
             calls += found
-            if out.finished:
-                reasoning += self.think_tools.flush()
-                content += self.tools.flush()
             self.num_calls = len(self.think_tools.calls) + len(self.tools.calls)
         delta: dict[str, Any] = {}
         if reasoning:
@@ -117,8 +114,9 @@ class ChatChoice(ChoiceWriter):
         return {"message": message, "logprobs": logprobs}
 
     def finish_reason(self, out: RequestOutput) -> str | None:
-        """"tool_calls" when the reply called a tool (as OpenAI and vLLM say), else the engine's reason."""
-        return "tool_calls" if self.num_calls else out.finish_reason
+        """"tool_calls" when the reply called a tool and ended by itself (as OpenAI and vLLM say), else the engine's
+        reason: a reply cut by max_tokens is "length", even inside a call."""
+        return "tool_calls" if self.num_calls and out.finish_reason == "stop" else out.finish_reason
 
 
 class ChatServing(Serving):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable, Collection
@@ -25,7 +26,6 @@ HERMES_JSON = "qwen_3"  # Qwen3's (Hermes) JSON format
 # templates write json.dumps' single spaces, and an unbounded run lets a weak model pad forever.
 JSON_WHITESPACE = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,2}"}
 
-_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
@@ -112,15 +112,17 @@ class ToolCall:
 
 
 class ToolParser:
-    """Splits a reply's content into text and tool calls, whole (`parse`) or streamed (`feed`, then `flush`): the
-    text before the first call, then every call in order; text after a call is dropped, as the formats allow none
-    (`keep_text_after_calls`: kept, for a think block), and a block that does not parse is text. `tools` (the
-    request's, OpenAI shape) give each argument its JSON type in the XML format, whose values are bare text.
+    """Splits a reply's content into text and tool calls, whole (`parse`) or streamed (`feed`, its last piece with
+    `end`): the text before the first call, then every call in order; text after a call is dropped, as the formats
+    allow none (`keep_text_after_calls`: kept, for a think block), and a block that does not parse is text. `tools`
+    (the request's, OpenAI shape) give each argument its JSON type in the XML format, whose values are bare text.
 
-    A call is streamed as it is generated: its id and name once its name is complete, then its arguments' JSON text
-    as it grows (in the XML format a parameter at a time, in the JSON format as written), so the pieces add up to
-    the arguments a whole parse gives. Once its name is out a call stays a call: a reply cut short inside it ends with
-    the arguments generated so far. `next_index` numbers the calls (shared by a choice's parsers)."""
+    A call's arguments are always strict JSON (no NaN or Infinity; see `_strict_json`): an object of the arguments
+    that read, in order, up to the first that does not. A call is streamed as it is generated: its id and name once
+    its name is complete, then its arguments an argument at a time (XML: a parameter; JSON: an object member as
+    written), then the closing brace, so the pieces add up to the arguments a whole parse gives. Once its name is out
+    a call stays a call: a reply cut short inside it ends with the arguments complete so far, closed. `next_index`
+    numbers the calls (shared by a choice's parsers)."""
 
     def __init__(self, tools: list[dict], keep_text_after_calls: bool = False,
                  next_index: Callable[[], int] | None = None):
@@ -135,12 +137,13 @@ class ToolParser:
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole reply: (its text, its calls)."""
         parser = ToolParser(self.tools, self.keep_text_after_calls)
-        content, _ = parser.feed(text)
-        return content + parser.flush(), parser.calls
+        content, _ = parser.feed(text, end=True)
+        return content, parser.calls
 
-    def feed(self, delta: str) -> tuple[str, list[dict]]:
+    def feed(self, delta: str, end: bool = False) -> tuple[str, list[dict]]:
         """A streamed piece: (the text that is surely no part of a call, the tool-call deltas it makes: OpenAI's
-        stream entries, one per call index)."""
+        stream entries, one per call index). `end`: the reply ends with this piece, so nothing is held back: the rest
+        is text, unless a call was cut short (it ends with its arguments so far)."""
         self.pending += delta
         text: list[str] = []
         deltas: dict[int, dict] = {}
@@ -156,23 +159,21 @@ class ToolParser:
             self._text(text, before)
             self.pending = self.pending[len(before):]
             start = self.pending.find(CALL_OPEN)
-            end = self.pending.find(CALL_CLOSE, start)
-            body = self.pending[start + len(CALL_OPEN):end if end >= 0 else len(self.pending)]
-            if end < 0:  # open: stream what of it is certain
+            end_at = self.pending.find(CALL_CLOSE, start)
+            body = self.pending[start + len(CALL_OPEN):end_at if end_at >= 0 else len(self.pending)]
+            if end_at < 0:  # open: stream what of it is certain
                 self._stream(body, deltas, final=False)
                 break
             if not self._stream(body, deltas, final=True):  # not a call after all: text
-                self._text(text, self.pending[:end + len(CALL_CLOSE)])
-            self.pending = self.pending[end + len(CALL_CLOSE):]
+                self._text(text, self.pending[:end_at + len(CALL_CLOSE)])
+            self.pending = self.pending[end_at + len(CALL_CLOSE):]
+        if end:
+            rest, self.pending = self.pending, ""
+            if self._open is not None:
+                self._close(deltas)
+            else:
+                self._text(text, rest)
         return "".join(text), list(deltas.values())
-
-    def flush(self) -> str:
-        """What is still held back when the reply ends: text, unless a call was cut short (it ends as generated)."""
-        rest, self.pending = self.pending, ""
-        if self._open is not None:
-            self._open = None
-            return ""
-        return "" if self.calls and not self.keep_text_after_calls else rest
 
     def _text(self, out: list[str], text: str) -> None:
         """Release text, with the whitespace held back before it (none once a call came: the rest is dropped)."""
@@ -181,11 +182,9 @@ class ToolParser:
 
     def _stream(self, body: str, deltas: dict[int, dict], final: bool) -> bool:
         """Send what is new of the call whose body (so far) is `body`; `final`: the body is whole. Whether it is a
-        call: one whose name reads is, even if the rest does not parse (it keeps the arguments that do, as a stream
-        that sent its name must)."""
-        name, arguments = self._read(body, final)
-        if final and name is None:  # a whole call that does not parse: as far as it reads, as if streamed
-            name, arguments = self._read(body, False)
+        call: one whose name reads is, even if its arguments do not (it keeps those that do, as a stream that sent
+        its name must)."""
+        name, arguments = self._read(body)
         if self._open is None:
             if name is None:
                 return False
@@ -195,100 +194,152 @@ class ToolParser:
             self.calls.append(call)
             deltas[index] = {"index": index, "id": call.id, "type": "function",
                              "function": {"name": name, "arguments": ""}}
+        if arguments is not None:
+            self._send(deltas, arguments)
+        if final:
+            self._close(deltas)
+        return True
+
+    def _send(self, deltas: dict[int, dict], arguments: str) -> None:
+        """The open call's arguments are now `arguments`: send what is new of them (they only ever grow)."""
         index, call = self._open
-        if arguments is not None and arguments.startswith(call.arguments) and len(arguments) > len(call.arguments):
+        if arguments.startswith(call.arguments) and len(arguments) > len(call.arguments):
             entry = deltas.setdefault(index, {"index": index, "function": {"arguments": ""}})
             entry["function"]["arguments"] += arguments[len(call.arguments):]
             call.arguments = arguments
-        if final:
-            self._open = None
-        return True
 
-    def _read(self, body: str, final: bool) -> tuple[str | None, str | None]:
-        """(the call's name, its arguments' JSON text) as far as `body` makes them certain: a prefix of the whole
-        call's arguments text while it is open; the whole text once `final` (None where it does not parse)."""
+    def _close(self, deltas: dict[int, dict]) -> None:
+        """End the open call: its arguments object closed (`{}` when none were read)."""
+        _, call = self._open
+        self._send(deltas, (call.arguments or "{") + "}")
+        self._open = None
+
+    def _read(self, body: str) -> tuple[str | None, str | None]:
+        """(the call's name, its arguments' JSON text without the closing brace: the arguments complete in `body`)
+        as far as `body` makes them certain; None where there is none (yet)."""
         stripped = body.lstrip()
         if stripped.startswith("<function="):
-            return self._read_xml(stripped, final)
+            return self._read_xml(stripped)
         if stripped.startswith("{"):
-            return _read_json(stripped, final)
+            return _read_json(stripped)
         return None, None
 
-    def _read_xml(self, body: str, final: bool) -> tuple[str | None, str | None]:
+    def _read_xml(self, body: str) -> tuple[str | None, str | None]:
         head = re.match(r"<function=([^>\n]+)>", body)
         if head is None:
             return None, None
         name = head.group(1).strip()
-        rest = body[head.end():]
-        if final and _XML_FUNCTION.fullmatch(body.strip()) is None:
-            return None, None
         params = self.schemas.get(name, {}).get("properties", {})
         pairs = [f"{json.dumps(key.strip(), ensure_ascii=False)}: "
                  f"{json.dumps(_typed(value.strip(), params.get(key.strip(), {})), ensure_ascii=False)}"
-                 for key, value in _XML_PARAMETER.findall(rest)]
-        return name, "{" + ", ".join(pairs) + ("}" if final else "")
+                 for key, value in _XML_PARAMETER.findall(body[head.end():])]
+        return name, "{" + ", ".join(pairs)
 
 
-def _read_json(body: str, final: bool) -> tuple[str | None, str | None]:
-    """A JSON-format call's name and arguments text: the arguments object as written (a string of JSON: its
-    content, once whole)."""
-    if final:
-        try:
-            data = json.loads(body.strip())
-        except ValueError:
-            return None, None
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            return None, None
-        arguments = data.get("arguments", data.get("parameters", {}))
-        if isinstance(arguments, str):
+_KEY = re.compile(r'\s*"((?:[^"\\]|\\.)*)"\s*:\s*')  # an object member's key and its colon
+
+
+def _read_json(body: str) -> tuple[str | None, str | None]:
+    """A JSON-format call's name (once its member is complete) and its arguments (the `arguments` or `parameters`
+    member: an object, or a string holding one, read once complete) as far as they are complete."""
+    name, arguments = None, None
+    for member_start, member_end in _members(body):
+        key = _KEY.match(body, member_start)
+        if key is None:
+            break
+        if key.group(1) == "name" and member_end is not None:
             try:
-                return (data["name"], arguments) if isinstance(json.loads(arguments), dict) else (None, None)
+                value = json.loads(body[key.end():member_end])
             except ValueError:
-                return None, None
-        if not isinstance(arguments, dict):
-            return None, None
-        written = _json_value_text(body, ("arguments", "parameters"))
-        return data["name"], written if written is not None and json.loads(written) == arguments else json.dumps(
-            arguments, ensure_ascii=False)
-    name = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
-    if name is None:
-        return None, None
-    return json.loads(f'"{name.group(1)}"'), _json_value_text(body, ("arguments", "parameters"), whole=False)
+                break
+            name = value if isinstance(value, str) else None
+        elif key.group(1) in ("arguments", "parameters") and arguments is None:
+            value_text = body[key.end():member_end]
+            if value_text.startswith("{"):
+                arguments = _arguments(value_text)
+            elif value_text.startswith('"') and member_end is not None:
+                try:
+                    inner = json.loads(value_text).strip()
+                except ValueError:
+                    continue
+                arguments = _arguments(inner) if inner.startswith("{") else None
+    return name, arguments
 
 
-def _json_value_text(body: str, keys: tuple[str, ...], whole: bool = True) -> str | None:
-    """The text of the object value of the first of `keys` in `body` as written, up to its closing brace (`whole`
-    False: as much of it as is there); None when there is no such object value (yet)."""
-    found = re.search(r'"(?:' + "|".join(keys) + r')"\s*:\s*', body)
-    if found is None or body[found.end():found.end() + 1] != "{":
-        return None
-    start, depth, in_string, escaped = found.end(), 0, False, False
-    for at in range(start, len(body)):
-        ch = body[at]
+def _arguments(text: str) -> str:
+    """The JSON object at the start of `text` (perhaps unfinished) as arguments without their closing brace: its
+    members as written, up to the first that is not strict JSON (a number too large for a double: the text the model
+    wrote, as `_strict_json` keeps it)."""
+    members = []
+    for start, end in _members(text):
+        if end is None:
+            break
+        member = text[start:end].strip()
+        try:
+            (key, value), = _strict_json("{" + member + "}").items()
+        except ValueError:  # not JSON, or not one member
+            break
+        if value != json.loads("{" + member + "}")[key]:  # a number kept as text: written as JSON reads it back
+            member = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        members.append(member)
+    return "{" + ", ".join(members)
+
+
+def _members(text: str) -> list[tuple[int, int | None]]:
+    """The (start, end) of each member of the JSON object `text` opens ("{"), as far as it is written; the last
+    one's end is None while it is unfinished. Only counts brackets and strings: values are not checked."""
+    spans: list[tuple[int, int | None]] = []
+    member, depth, in_string, escaped = 1, 0, False, False
+    for at in range(len(text)):
+        ch = text[at]
         if in_string:
             escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
         elif ch == '"':
             in_string = True
-        elif ch == "{":
+        elif ch in "{[":
             depth += 1
-        elif ch == "}":
+        elif ch in "}]":
             depth -= 1
             if depth == 0:
-                return body[start:at + 1]
-    return None if whole else body[start:]
+                if text[member:at].strip():
+                    spans.append((member, at))
+                return spans
+        elif ch == "," and depth == 1:
+            spans.append((member, at))
+            member = at + 1
+    if text[member:].strip():
+        spans.append((member, None))
+    return spans
 
 
 def _typed(value: str, schema: dict) -> Any:
     """An XML parameter's text as the JSON value its schema types it: strings stay text, anything else is read as
-    JSON (the templates write objects and arrays as JSON; Python's True / False / None are accepted too)."""
+    strict JSON (the templates write objects and arrays as JSON; Python's True / False / None are accepted too), and
+    what does not read stays text."""
     kind = schema.get("type")
     if kind == "string" or (kind is None and "enum" in schema and all(isinstance(e, str) for e in schema["enum"])):
         return value
     literal = {"True": "true", "False": "false", "None": "null"}.get(value, value)
     try:
-        return json.loads(literal)
+        return _strict_json(literal)
     except ValueError:
         return value
+
+
+def _strict_json(text: str) -> Any:
+    """`text` read as JSON that every strict parser reads back alike: NaN and Infinity are refused (ValueError), and
+    a number too large for a double is kept as the text the model wrote, as vLLM's qwen3_coder parser keeps a value
+    it cannot convert (its float() gives inf, whose int() raises)."""
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_or_text)
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_or_text(text: str) -> float | str:
+    value = float(text)
+    return value if math.isfinite(value) else text
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -102,7 +102,7 @@ def score(reply: str, gold: Decimal) -> tuple[bool, bool]:
     return extract_strict(reply) == gold, extract_flexible(reply) == gold
 
 
-async def evaluate_async(base_url: str, model: str = "default", test_path: str = DEFAULT_TEST,
+async def evaluate_async(base_url: str, model: str = "", test_path: str = DEFAULT_TEST,
                          train_path: str = DEFAULT_TRAIN, limit: int | None = None, concurrency: int = 8,
                          max_tokens: int = 256, shots: int = 8, fewshot_seed: int | None = None,
                          extra_body: dict | None = None, timeout_s: float = 600.0, progress: bool = False) -> dict:
@@ -141,7 +141,7 @@ async def evaluate_async(base_url: str, model: str = "default", test_path: str =
     }
 
 
-def evaluate(base_url: str, model: str = "default", **kwargs) -> dict:
+def evaluate(base_url: str, model: str = "", **kwargs) -> dict:
     """Synchronous `evaluate_async` (same arguments), for scripts and tests that run no event loop."""
     return asyncio.run(evaluate_async(base_url, model, **kwargs))
 
@@ -149,7 +149,7 @@ def evaluate(base_url: str, model: str = "default", **kwargs) -> dict:
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", default="", help="a name the server serves (default: none given, its own)")
     p.add_argument("--data", default=DEFAULT_TEST, help="GSM8K test jsonl")
     p.add_argument("--train", default=DEFAULT_TRAIN, help="GSM8K train jsonl for the few-shot turns")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")

@@ -7,6 +7,7 @@ from support import shared_data
 from transformers import AutoTokenizer, LlamaTokenizer
 
 from qwen_jax.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from qwen_jax.engine.model_files import load_tokenizer
 
 MULTILINGUAL = (
     "Hello, world! Ünïcödé façade — naïve café. 你好，世界！今日は良い天気ですね。한국어 텍스트. "
@@ -96,6 +97,9 @@ def test_byte_fallback_sentencepiece_tokenizer(tmp_path):
     assert "".join(deltas) == " Lily saw 你好 and é ü 🎉 there."
     alone = stream(IncrementalDetokenizer(tok, [1], skip_special_tokens=True), out)
     assert "".join(alone) == tok.decode(out) == "Lily saw 你好 and é ü 🎉 there."
+    loaded = load_tokenizer(str(tmp_path))  # a model directory whose only tokenizer is this file (protobuf reads it)
+    assert loaded.encode(" Lily saw 你好 and é ü 🎉 there.", add_special_tokens=False) == out
+    assert loaded.decode(out) == "Lily saw 你好 and é ü 🎉 there."
 
 
 def feed_all(checker: StopChecker, deltas: list[str]) -> tuple[list[str], str | None]:

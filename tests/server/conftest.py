@@ -32,7 +32,7 @@ def server(default_model_dir, compilation_cache_dir) -> Iterator[ServerThread]:
     from server.app import ServerConfig, create_app
 
     engine = make_engine(default_model_dir)
-    app = create_app(engine, ServerConfig(served_model_name="qwen-jax-test", max_num_seqs=MAX_NUM_SEQS,
+    app = create_app(engine, ServerConfig(served_model_names=("qwen-jax-test", "m"), max_num_seqs=MAX_NUM_SEQS,
                                           max_queue_len=512, max_body_bytes=256 * 1024))
     srv = ServerThread(app, "127.0.0.1", free_port())
     srv.engine = engine

@@ -38,7 +38,7 @@ def two_replicas(default_model_dir, compilation_cache_dir):
 
     engine = AsyncLLM.from_engine_args(default_model_dir, **ENGINE_ARGS, data_parallel_size=2,
                                        tensor_parallel_size=1)
-    app = create_app(engine, ServerConfig(served_model_name="dp2", max_num_seqs=2 * MAX_NUM_SEQS))
+    app = create_app(engine, ServerConfig(served_model_names=("dp2",), max_num_seqs=2 * MAX_NUM_SEQS))
     srv = ServerThread(app, "127.0.0.1", free_port())
     srv.engine = engine
     srv.start(START_TIMEOUT_S)

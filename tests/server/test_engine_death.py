@@ -42,7 +42,7 @@ def doomed(default_model_dir, compilation_cache_dir):
     from server.app import ServerConfig, create_app
 
     engine = make_engine(default_model_dir)
-    app = create_app(engine, ServerConfig(served_model_name="doomed", max_num_seqs=MAX_NUM_SEQS))
+    app = create_app(engine, ServerConfig(served_model_names=("doomed",), max_num_seqs=MAX_NUM_SEQS))
     srv = ServerThread(app, "127.0.0.1", free_port())
     srv.engine = engine
     srv.start(START_TIMEOUT_S)

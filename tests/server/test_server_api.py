@@ -28,8 +28,32 @@ def test_health_ping_and_models(server, client):
         status, headers, _ = http_json("GET", server.url + path)
         assert status == 200 and headers["content-type"] == "application/json"
     models = client.models.list().data
-    assert [m.id for m in models] == ["qwen-jax-test"]
-    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert [m.id for m in models] == ["qwen-jax-test", "m"]  # the served names, the first the one responses carry
+    assert all(m.model_extra["max_model_len"] == MAX_MODEL_LEN for m in models)
+
+
+def test_an_unknown_model_name_is_404_and_every_served_name_works(server, client):
+    """As vLLM: a request may name any served name (--served-model-name's list) or none; any other name is a 404
+    on every route that takes one, with OpenAI's error body."""
+    not_found = {"message": "The model `gpt-4o` does not exist.", "type": "invalid_request_error", "param": "model",
+                 "code": "model_not_found"}
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "stream": True}),
+                       ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                       ("/invocations", {"prompt": "Hi", "max_tokens": 2}),
+                       ("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+        status, _, reply = http_json("POST", server.url + path, {"model": "gpt-4o", **body})
+        assert (status, reply) == (404, {"error": not_found}), path
+    assert http_json("GET", server.url + "/v1/models/gpt-4o")[2] == {"error": not_found}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=2)
+    for name in ("qwen-jax-test", "m", ""):  # "": none named
+        r = client.completions.create(model=name, prompt="Hi", max_tokens=2)
+        assert r.model == "qwen-jax-test" and r.usage.completion_tokens >= 1
+    status, _, reply = http_json("POST", server.url + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert status == 200 and reply["model"] == "qwen-jax-test"
+    status, _, card = http_json("GET", server.url + "/v1/models/m")
+    assert status == 200 and card["id"] == "m" and card["root"] == "qwen-jax-test"
 
 
 def test_chat_non_streaming_usage_is_exact(client, tokenizer):
@@ -76,7 +100,7 @@ def test_completions_text_and_token_prompts(client, tokenizer):
 
 
 def test_every_chat_field_round_trip(client, tokenizer):
-    body = dict(model="anything", messages=MESSAGES, max_completion_tokens=10, temperature=0.8, top_p=0.9, seed=7,
+    body = dict(model="qwen-jax-test", messages=MESSAGES, max_completion_tokens=10, temperature=0.8, top_p=0.9, seed=7,
                 stop=["zzzz", "\n\n\n"], n=3, logprobs=True, top_logprobs=3, presence_penalty=0.5,
                 frequency_penalty=0.25,
                 extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True,
@@ -97,7 +121,7 @@ def test_every_chat_field_round_trip(client, tokenizer):
 
 
 def test_every_completion_field_round_trip(client):
-    body = dict(model="x", prompt="The river", max_tokens=6, temperature=0.7, top_p=0.95, seed=11, stop="qqq",
+    body = dict(model="m", prompt="The river", max_tokens=6, temperature=0.7, top_p=0.95, seed=11, stop="qqq",
                 n=2, logprobs=2, presence_penalty=-0.5, frequency_penalty=0.5, echo=False,
                 extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3, "ignore_eos": True,
                             "min_tokens": 6, "stop_token_ids": [0], "skip_special_tokens": True})

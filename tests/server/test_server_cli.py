@@ -173,7 +173,7 @@ def test_a_server_from_a_cached_hub_id_honours_its_flags(tmp_path, hub_cache, co
     url = f"http://127.0.0.1:{port}"
     command = server_command(port, "qwen-jax/tiny", compilation_cache_dir, "--tokenizer", "qwen-jax/tiny",
                              "--chat-template", str(template), "--max-logprobs", "3", "--trust-remote-code",
-                             "--served-model-name", "org/tiny", "--disable-log-requests",
+                             "--served-model-name", "org/tiny", "tiny", "--disable-log-requests",
                              # Qwen's published vllm serve flags, and others vLLM users pass
                              "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser",
                              "qwen3", "--block-size", "8", "--enable-chunked-prefill", "--kv-cache-dtype", "auto",
@@ -205,6 +205,11 @@ def test_a_server_from_a_cached_hub_id_honours_its_flags(tmp_path, hub_cache, co
         assert status == 400 and body["error"]["param"] == "logprobs" and "--max-logprobs" in body["error"]["message"]
         status, _, body = http_json("GET", url + "/v1/models/org/tiny")
         assert status == 200 and body["id"] == "org/tiny"
+        assert [card["id"] for card in http_json("GET", url + "/v1/models")[2]["data"]] == ["org/tiny", "tiny"]
+        status, _, body = http_json("POST", url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert status == 200 and body["model"] == "org/tiny"  # an alias; responses carry the first name
+        status, _, body = http_json("POST", url + "/v1/completions", {"model": "tiny/other", "prompt": "x"})
+        assert status == 404 and body["error"]["message"] == "The model `tiny/other` does not exist."
     finally:
         server.terminate()
         server.wait(60)

@@ -25,21 +25,25 @@ from server_harness import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-GRACE_S = 5
+# The short requests' dozen steps, counted from their first token, end well within it on a loaded 2-core machine
+# (4 rows took up to 0.5 s a step on an idle one; 2 CPU-bound processes beside it can triple that).
+GRACE_S = 30
 # This test's sequences may be this long: thousands of decode steps, still running at the graceful timeout on a fast
-# idle CPU (where the harness's 512 tokens take less), while SHORT's dozen steps end within it on a loaded one.
+# idle CPU (20 ms a step there: 80 s).
 LONG_MODEL_LEN = 4096
 LONG = {"max_tokens": LONG_MODEL_LEN - 16, "ignore_eos": True, "temperature": 0}
-# A few steps: done well within it.
-SHORT = {"max_tokens": 6, "ignore_eos": True}
+SHORT = {"max_tokens": 12, "ignore_eos": True}
 
 
-def post(url: str, body: dict, answers: dict, name: str) -> None:
-    """POST and keep (status, JSON body) or, for a stream, (status, its SSE events)."""
+def post(url: str, body: dict, answers: dict, name: str, started: threading.Event | None = None) -> None:
+    """POST and keep (status, JSON body) or, for a stream, (status, its SSE events). `started` is set once the
+    answer begins: a stream's begins with its first token."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            if started is not None:
+                started.set()
             raw = resp.read().decode()
             events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
             answers[name] = (resp.status, events if body.get("stream") else json.loads(raw))
@@ -74,8 +78,8 @@ def test_sigterm_refuses_queued_requests_and_finishes_or_ends_running_ones_clean
     answers: dict[str, tuple] = {}
     threads: list[threading.Thread] = []
 
-    def send(name: str, path: str, body: dict) -> None:
-        thread = threading.Thread(target=post, args=(url + path, body, answers, name))
+    def send(name: str, path: str, body: dict, started: threading.Event | None = None) -> None:
+        thread = threading.Thread(target=post, args=(url + path, body, answers, name, started))
         thread.start()
         threads.append(thread)
 
@@ -84,10 +88,15 @@ def test_sigterm_refuses_queued_requests_and_finishes_or_ends_running_ones_clean
         comp, chat = "/v1/completions", "/v1/chat/completions"
         send("long stream", comp, {"prompt": "a", "stream": True, **LONG})
         send("long", comp, {"prompt": "b", **LONG})
-        send("short stream", chat, {"messages": [{"role": "user", "content": "c"}], "stream": True, **SHORT,
-                                    "max_tokens": 12})
-        send("short", comp, {"prompt": "d", **SHORT, "max_tokens": 12})
-        wait_for(lambda: engine_counts(url)[0] == MAX_NUM_SEQS, 120, "four requests running")
+        send("short", comp, {"prompt": "d", **SHORT})
+        wait_for(lambda: engine_counts(url)[0] == 3, 120, "three requests running")
+        # The last one in is the last to start: once its first token is out, all four run (none is refused as not
+        # started), however slowly this machine runs them.
+        short_stream_started = threading.Event()
+        send("short stream", chat, {"messages": [{"role": "user", "content": "c"}], "stream": True, **SHORT},
+             short_stream_started)
+        assert short_stream_started.wait(120), "the short stream's first token did not come"
+        wait_for(lambda: engine_counts(url)[0] == MAX_NUM_SEQS, 60, "four requests running")
         send("queued stream", comp, {"prompt": "e", "stream": True, **SHORT})
         send("queued", comp, {"prompt": "f", **SHORT})
         send("queued chat", chat, {"messages": [{"role": "user", "content": "g"}], **SHORT})
@@ -97,7 +106,7 @@ def test_sigterm_refuses_queued_requests_and_finishes_or_ends_running_ones_clean
         wait_for(lambda: http_json("GET", url + "/health", timeout=5)[0] == 503, 10, "/health to turn 503")
         status, _, body = http_json("POST", url + comp, {"prompt": "late", **SHORT})
         assert_shutdown_error(status, body)
-        assert server.wait(GRACE_S + 30) == 0
+        assert server.wait(GRACE_S + 60) == 0
         for thread in threads:
             thread.join(30)
     finally:

@@ -1,5 +1,6 @@
 """start.sh end to end on the default model: starts the server in the background, returns once /health is 200,
-enforces --api-key, drains a running stream on `--stop` (SIGTERM) and reports a failed start with the log tail.
+enforces --api-key, drains a running stream on `--stop` (SIGTERM), reports a failed start with the log tail and keeps
+the previous start's log.
 """
 
 from __future__ import annotations
@@ -76,14 +77,18 @@ def test_start_script_serves_the_default_model_with_an_api_key_and_stops_gracefu
     assert not (tmp_path / "server.pid").exists()
 
 
-def test_start_script_reports_a_failed_start_with_the_log_tail(tmp_path, default_model_dir):
+def test_start_script_reports_a_failed_start_with_the_log_tail_and_keeps_the_last_log(tmp_path, default_model_dir):
     env = script_env(tmp_path, os.path.dirname(default_model_dir))
-    missing = tmp_path / "no-such-model"
-    result = subprocess.run([SCRIPT, "--host", "127.0.0.1", "--port", str(free_port()), "--model", str(missing),
-                             "--compilation-cache-dir", "none"], env=env, capture_output=True, text=True,
-                            timeout=240)
-    assert result.returncode == 1
-    assert "exited during start-up" in result.stderr and "no-such-model" in result.stderr
-    assert not (tmp_path / "server.pid").exists()
+    for name in ("no-such-model", "nor-this-one"):
+        result = subprocess.run([SCRIPT, "--host", "127.0.0.1", "--port", str(free_port()), "--model",
+                                 str(tmp_path / name), "--compilation-cache-dir", "none"], env=env, capture_output=True,
+                                text=True, timeout=240)
+        assert result.returncode == 1
+        assert "exited during start-up" in result.stderr and name in result.stderr
+        assert not (tmp_path / "server.pid").exists()
+    # each start writes a new log; the one before is kept as server.log.1
+    assert "nor-this-one" in (tmp_path / "server.log").read_text()
+    kept = (tmp_path / "server.log.1").read_text()
+    assert "no-such-model" in kept and "nor-this-one" not in kept
     stop = subprocess.run([SCRIPT, "--stop"], env=env, capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and "no running server" in stop.stdout

@@ -1,7 +1,8 @@
 """Tool calling over real HTTP with the `openai` client, on a tiny random model that has Qwen3.5's tokenizer and chat
 template: the tools and the tool history reach the template, a forced call (a named function, or "required") comes
-back as message.tool_calls with finish_reason "tool_calls", streamed as tool-call deltas, and a round trip feeds its
-result back; tool_choice "none" keeps the tools out of the prompt.
+back as message.tool_calls with finish_reason "tool_calls" ("length" when max_tokens cuts it), streamed as tool-call
+deltas, with arguments of strict JSON, and a round trip feeds its result back; tool_choice "none" keeps the tools out
+of the prompt.
 
 The model's weights are random: the grammar engine forces the call's shape and its argument values' types.
 """
@@ -53,7 +54,7 @@ def tools_server(qwen_model_dir, compilation_cache_dir):
     from server.app import ServerConfig, create_app
 
     engine = AsyncLLM.from_engine_args(qwen_model_dir, **ENGINE_ARGS)
-    app = create_app(engine, ServerConfig(served_model_name="tools", max_num_seqs=4))
+    app = create_app(engine, ServerConfig(served_model_names=("tools",), max_num_seqs=4))
     srv = ServerThread(app, "127.0.0.1", free_port())
     srv.start(START_TIMEOUT_S)
     yield srv
@@ -133,6 +134,73 @@ def test_required_tool_choice_streams_tool_call_deltas(client):
     assert final.choices[0].message.tool_calls[0].function.arguments == arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert whole.choices[0].finish_reason == "tool_calls"
+
+
+SCALE = {"type": "function", "function": {
+    "name": "scale", "description": "Scale a distance.",
+    "parameters": {"type": "object", "required": ["unit", "factor"],
+                   "properties": {"unit": {"type": "string", "enum": ["km"]}, "factor": {"type": "number"}}}}}
+
+
+def strict_json(text: str):
+    """JSON as a strict parser reads it: NaN, Infinity and -Infinity are errors."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def forced_scale_calls(client, seed: int, max_tokens: int) -> list[tuple[str, list[tuple[str, str]]]]:
+    """A forced call of SCALE, whole and streamed at once (the same tokens): (finish_reason, [(name, arguments)])
+    of each, the stream's as the openai client accumulates it."""
+    kwargs = dict(model="tools", messages=[{"role": "user", "content": "Scale it."}], tools=[SCALE],
+                  tool_choice="required", parallel_tool_calls=False, max_tokens=max_tokens, temperature=1.0,
+                  seed=seed)
+
+    def whole():
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.finish_reason, [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+
+    def streamed():
+        finish, calls = None, {}
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for call in chunk.choices[0].delta.tool_calls or []:
+                name, arguments = calls.get(call.index, ("", ""))
+                calls[call.index] = (name + (call.function.name or ""), arguments + (call.function.arguments or ""))
+            finish = chunk.choices[0].finish_reason or finish
+        return finish, [calls[i] for i in sorted(calls)]
+
+    with ThreadPoolExecutor(2) as pool:
+        return [future.result() for future in [pool.submit(whole), pool.submit(streamed)]]
+
+
+def test_forced_call_arguments_are_strict_json_when_a_number_overflows(client):
+    """The random model writes numbers like 2e815575 in 3 of these 6 replies: too large for a double, they are kept
+    as the text written (as vLLM's qwen3_coder parser keeps them), never read as inf and written as Infinity."""
+    overflowed = 0
+    for seed in range(6):
+        whole, streamed = forced_scale_calls(client, seed, max_tokens=80)
+        assert whole == streamed and whole[0] in ("tool_calls", "length")
+        finish, calls = whole
+        assert [name for name, _ in calls] == ["scale"]
+        arguments = strict_json(calls[0][1])
+        if finish == "tool_calls":
+            assert arguments["unit"] == "km" and isinstance(arguments["factor"], int | float | str)
+            if isinstance(arguments["factor"], str):
+                assert float(arguments["factor"]) in (float("inf"), float("-inf")), arguments
+                overflowed += 1
+    assert overflowed > 0
+
+
+def test_a_forced_call_cut_by_max_tokens_finishes_length_with_the_complete_arguments(client):
+    """The call's name is out, its arguments are not: finish_reason "length" (as vLLM says), and the arguments
+    complete when it was cut, as a JSON object."""
+    for seed in range(2):
+        whole, streamed = forced_scale_calls(client, seed, max_tokens=28)  # inside the factor's value, at best
+        assert whole == streamed
+        finish, calls = whole
+        assert finish == "length" and [name for name, _ in calls] == ["scale"]
+        assert strict_json(calls[0][1]) in ({}, {"unit": "km"})
 
 
 def test_tool_choice_none_leaves_the_tools_out_and_auto_puts_them_in(rendered):

@@ -5,6 +5,7 @@ whole reply's content and calls."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -28,7 +29,7 @@ JSON_CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("noop", {})]
 
 
 def calls_of(calls):
-    return [(c.name, json.loads(c.arguments)) for c in calls]
+    return [(c.name, strict_json(c.arguments)) for c in calls]
 
 
 def streamed(parser: ToolParser, reply: str, piece: int) -> tuple[str, list[tuple[str, str, str]]]:
@@ -36,15 +37,22 @@ def streamed(parser: ToolParser, reply: str, piece: int) -> tuple[str, list[tupl
     stream deltas: (id, name, arguments text))."""
     content, calls = "", {}
     for at in range(0, len(reply), piece):
-        text, deltas = parser.feed(reply[at:at + piece])
+        text, deltas = parser.feed(reply[at:at + piece], end=at + piece >= len(reply))
         content += text
         for delta in deltas:
             call = calls.setdefault(delta["index"], {"id": None, "name": "", "arguments": ""})
             call["id"] = delta.get("id", call["id"])
             call["name"] += delta["function"].get("name", "")
             call["arguments"] += delta["function"].get("arguments", "")
-    content += parser.flush()
     return content, [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+
+
+def strict_json(text: str):
+    """JSON as a strict parser reads it: NaN, Infinity and -Infinity are errors."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 @pytest.mark.parametrize("reply, content, calls", [
@@ -65,13 +73,48 @@ def test_a_whole_reply_splits_into_content_and_typed_calls(reply, content, calls
         assert openai["function"]["arguments"] == call.arguments
 
 
-def test_a_call_cut_short_after_its_name_stays_a_call_with_the_arguments_generated():
+@pytest.mark.parametrize("reply", [
+    "cut short <tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n<parameter=da",
+    'cut short <tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "da',
+    'cut short <tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "days": [1, {"x": "}',
+])
+def test_a_call_cut_short_after_its_name_stays_a_call_with_the_complete_arguments_closed(reply):
     """Once a call's name is out (streamed) it is a call, whole or streamed: a reply that ends inside it ends with
-    the arguments so far."""
-    reply = "cut short <tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n<parameter=da"
+    the arguments complete so far, as a JSON object."""
     content, calls = ToolParser(TOOLS).parse(reply)
-    assert content == "cut short" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Lima"')]
-    assert streamed(ToolParser(TOOLS), reply, 3)[1][0][1:] == ("get_weather", '{"city": "Lima"')
+    assert content == "cut short" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Lima"}')]
+    for piece in (1, 3):
+        assert streamed(ToolParser(TOOLS), reply, piece)[1][0][1:] == ("get_weather", '{"city": "Lima"}')
+    content, calls = ToolParser(TOOLS).parse("<tool_call>\n<function=noop>\n<parameter=x>\n1")
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("noop", "{}")]
+
+
+NUMBERS = [{"type": "function", "function": {"name": "set", "parameters": {"type": "object", "properties": {
+    "x": {"type": "number"}, "n": {"type": "integer"}, "v": {"type": "array", "items": {"type": "number"}},
+    "o": {"type": "object"}}}}}]
+
+
+@pytest.mark.parametrize("reply, arguments", [
+    # XML: a value that is not strict JSON, or a number too large for a double, is the text the model wrote
+    ("<tool_call>\n<function=set>\n<parameter=x>\n1e999\n</parameter>\n<parameter=n>\n-1E400\n</parameter>\n"
+     "<parameter=v>\n[1.5, 2e308]\n</parameter>\n<parameter=o>\n{\"y\": NaN}\n</parameter>\n</function>\n</tool_call>",
+     {"x": "1e999", "n": "-1E400", "v": [1.5, "2e308"], "o": '{"y": NaN}'}),
+    ("<tool_call>\n<function=set>\n<parameter=x>\nInfinity\n</parameter>\n<parameter=n>\n12\n</parameter>\n"
+     "</function>\n</tool_call>", {"x": "Infinity", "n": 12}),
+    # JSON: an overflowing number the same; a member that is not JSON ends the arguments
+    ('<tool_call>\n{"name": "set", "arguments": {"x": 1e999, "v": [1, -2E+999], "n": 3}}\n</tool_call>',
+     {"x": "1e999", "v": [1, "-2E+999"], "n": 3}),
+    ('<tool_call>\n{"name": "set", "arguments": {"n": 3, "x": NaN, "o": {}}}\n</tool_call>', {"n": 3}),
+    ('<tool_call>\n{"name": "set", "arguments": {"n": 3, "x": -Infinity}}\n</tool_call>', {"n": 3}),
+])
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_arguments_are_strict_json_whatever_numbers_the_model_writes(reply, arguments, piece):
+    """Never Infinity or NaN in `arguments` (json.dumps writes them for inf and nan, which json.loads reads from
+    1e999): whole and streamed alike."""
+    _, calls = ToolParser(NUMBERS).parse(reply)
+    assert [strict_json(c.arguments) for c in calls] == [arguments]
+    _, streamed_calls = streamed(ToolParser(NUMBERS), reply, piece)
+    assert [a for _, _, a in streamed_calls] == [c.arguments for c in calls]
 
 
 @pytest.mark.parametrize("reply", [XML_REPLY, JSON_REPLY, "plain text, trailing space  ", "x <tool_call>\n{bad}",
@@ -89,15 +132,17 @@ def test_streaming_in_any_pieces_gives_the_whole_replys_content_and_calls(reply,
 
 
 def test_arguments_are_streamed_as_they_are_generated():
-    """A call's name goes out as soon as it is complete, its arguments as they grow: the JSON format's as written,
-    the XML format's a parameter at a time; the call is not held back until it closes."""
+    """A call's name goes out as soon as it is complete, its arguments as they grow: the JSON format's a member at a
+    time as written, the XML format's a parameter at a time; the call is not held back until it closes."""
     parser = ToolParser(TOOLS)
     inside = JSON_REPLY.index('"days"')
     _, deltas = parser.feed(JSON_REPLY[:inside])
     assert deltas == [{"index": 0, "id": parser.calls[0].id, "type": "function",
-                       "function": {"name": "get_weather", "arguments": '{"city": "Paris", '}}]
+                       "function": {"name": "get_weather", "arguments": '{"city": "Paris"'}}]
     _, deltas = parser.feed(JSON_REPLY[inside:JSON_REPLY.index("</tool_call>")])
-    assert deltas == [{"index": 0, "function": {"arguments": '"days": 2}'}}]
+    assert deltas == [{"index": 0, "function": {"arguments": ', "days": 2'}}]
+    _, deltas = parser.feed("</tool_call>")
+    assert deltas == [{"index": 0, "function": {"arguments": "}"}}]
     parser = ToolParser(TOOLS)
     first_parameter = XML_REPLY.index("<parameter=days>")
     _, deltas = parser.feed(XML_REPLY[:first_parameter])
@@ -113,8 +158,8 @@ def test_calls_inside_a_think_block_are_parsed_and_numbered_with_the_others():
     index = itertools.count().__next__
     think, answer = ToolParser(TOOLS, keep_text_after_calls=True, next_index=index), ToolParser(TOOLS, next_index=index)
     reasoning = 'First the weather. <tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call> Then answer.'
-    text, deltas = think.feed(reasoning)
-    assert text + think.flush() == "First the weather. Then answer." and deltas[0]["index"] == 0
+    text, deltas = think.feed(reasoning, end=True)
+    assert text == "First the weather. Then answer." and deltas[0]["index"] == 0
     _, deltas = answer.feed(JSON_REPLY)
     assert [d["index"] for d in deltas] == [1, 2]
     whole_text, whole_calls = ToolParser(TOOLS, keep_text_after_calls=True).parse(reasoning)
@@ -185,7 +230,8 @@ def test_a_forced_calls_grammar_lets_through_only_calls_the_parser_reads_with_th
             assert isinstance(arguments["days"], int) and 1 <= arguments["days"] <= 7
             assert isinstance(arguments.get("note", ""), str)
             assert isinstance(arguments.get("opts", {"metric": True})["metric"], bool)
-            assert isinstance(arguments.get("where", {"lat": 0.5})["lat"], int | float)  # a $ref to its $defs
+            lat = arguments.get("where", {"lat": 0.5})["lat"]  # a $ref to its $defs
+            assert isinstance(lat, int | float) or math.isinf(float(lat))  # too large for a double: the text written
     assert ended >= 3
 
 

@@ -156,7 +156,7 @@ def test_server_on_two_hosts_answers_on_host_0_only(tmp_path):
             assert all(p.poll() is None for p in procs), "a host exited during start-up\n" + _failure(procs, logs)
             assert time.monotonic() < deadline, "host 0 not healthy in time\n" + _failure(procs, logs)
             time.sleep(0.5)
-        body = {"model": "m", "prompt": "Hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:
