@@ -8,6 +8,7 @@ serves every program serving can run: its miss count stays 0 (tests/engine/test_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -217,17 +218,20 @@ class Compiler:
                     or key == ProgramKey("forward", max(sizes))}
         to_run = sorted(sizes) if run else []
         produced = self._from_workers(jobs, workers, part) if workers else self._from_threads(jobs)
-        for done, (key, compiled, seconds, working) in enumerate(produced, 1):
-            if working is not None:
-                self.working_bytes[key.name] = working
-                self.working_group[key.name] = group(key)
-            self.table.compiled[key] = compiled
-            pending[group(key)] -= 1
-            critical.discard(key)
-            log.info("compiled %s in %.1fs (%d of %d, %.1fs in all)", key.name, seconds, done, len(jobs),
-                     time.perf_counter() - start)
-            if to_run and not critical:
-                to_run = self._run_ready(to_run, pending)
+        # closed here when a first run raises (the memory plan): else the generator, paused inside its pool, is
+        # closed by whichever thread collects it, and a pool thread cannot join itself
+        with contextlib.closing(produced):
+            for done, (key, compiled, seconds, working) in enumerate(produced, 1):
+                if working is not None:
+                    self.working_bytes[key.name] = working
+                    self.working_group[key.name] = group(key)
+                self.table.compiled[key] = compiled
+                pending[group(key)] -= 1
+                critical.discard(key)
+                log.info("compiled %s in %.1fs (%d of %d, %.1fs in all)", key.name, seconds, done, len(jobs),
+                         time.perf_counter() - start)
+                if to_run and not critical:
+                    to_run = self._run_ready(to_run, pending)
         if to_run:
             self._run_ready(to_run, {})
         if jobs:
@@ -244,9 +248,12 @@ class Compiler:
 
         if not jobs:
             return
-        with ThreadPoolExecutor(max(1, min(len(jobs), COMPILE_THREADS)), thread_name_prefix="qwen-jax-compile") as pool:
+        pool = ThreadPoolExecutor(max(1, min(len(jobs), COMPILE_THREADS)), thread_name_prefix="qwen-jax-compile")
+        try:
             for future in as_completed([pool.submit(compile_one, job) for job in jobs]):
                 yield future.result()
+        finally:  # a compile abandoned (closed early) drops the programs not started yet
+            pool.shutdown(cancel_futures=True)
 
     def _from_workers(self, jobs: list[ProgramKey], workers: int, part: tuple[int, int]):
         """(key, compiled, seconds, working bytes) of each program (job) as compile worker processes store it,
