@@ -72,7 +72,7 @@ def ending_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[
 def banned_row(params: SamplingParams, eos_token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     """A request's row of the banned table [V] bool."""
     row = np.zeros(vocab_size, np.bool_)
-    row[[t for t in ending_tokens(params, eos_token_ids) if t < vocab_size]] = True
+    row[ending_tokens(params, eos_token_ids)] = True
     return row
 
 

@@ -7,6 +7,7 @@ import math
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from qwen_jax import LLM, SamplingParams
@@ -19,6 +20,12 @@ from qwen_jax.models.decoder import cache_shapes
 
 def greedy(max_tokens, **extra):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+@pytest.fixture(scope="module")
+def two_drafts(hybrid_mtp_dir, kit) -> LLM:
+    """The model verifying 2 drafts on every step that can."""
+    return LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kit.ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -231,21 +238,29 @@ def test_speculation_off_and_models_without_a_head_run_plain(hybrid_dir, kit):
     assert parse_speculative_config('{"method": "mtp"}') == (MAX_DRAFTS, False)
 
 
-def test_on_an_accelerator_only_rows_with_a_compiled_verify_program_verify(plain, hybrid_mtp_dir, kit):
-    """On an accelerator the verify programs are compiled ahead for greedy and temperature-only sampling without
-    logprobs; rows that sample otherwise (top-k / top-p, logprobs) decode plainly rather than compile a verify
-    program on a request's path, with plain decoding's tokens."""
-    llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **kit.ENGINE_ARGS)
-    llm.engine.replicas[0].runner.on_accelerator = True
+@pytest.mark.parametrize("setting", [
+    dict(temperature=0.8, top_k=4, seed=3), dict(temperature=1.0, top_k=20, top_p=0.95, seed=4),
+    dict(temperature=0.9, top_p=0.7, seed=5, logprobs=2), dict(temperature=0.0, logprobs=3),
+    dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3),
+    dict(temperature=1.0, seed=6, frequency_penalty=1.0, logit_bias={40: 3.0, 41: -100.0}),
+    dict(temperature=0.0, min_tokens=6, stop_token_ids=[45]), dict(temperature=0.7, min_p=0.1, seed=7)],
+    ids=["top_k", "generation_config", "top_p_logprobs", "greedy_logprobs", "penalties", "bias_frequency",
+         "min_tokens", "min_p"])
+def test_every_sampling_setting_verifies_with_plain_decodings_tokens(plain, two_drafts, kit, setting):
+    """Speculation serves every sampling setting (but grammars): top-k / top-p (a checkpoint's generation_config
+    too), logprobs, penalties, logit bias, min_tokens' bans, seeds. Its rows verify drafts, and greedy and seeded
+    requests emit plain decoding's very tokens (float32), their logprobs too."""
+    llm = two_drafts
     prompt = kit.prompt(14, seed=1050)
-    for params in (SamplingParams(max_tokens=8, temperature=0.8, top_k=4, seed=3, ignore_eos=True),
-                   greedy(8, ignore_eos=True, logprobs=2)):
-        expected = plain.generate([prompt], params)[0].token_ids
-        assert llm.generate([prompt], params)[0].token_ids == expected
-        assert llm.engine.stats()["spec_verified_rows_total"] == 0
-    assert llm.generate([prompt], greedy(8, ignore_eos=True))[0].token_ids == plain.generate(
-        [prompt], greedy(8, ignore_eos=True))[0].token_ids
-    assert llm.engine.stats()["spec_verified_rows_total"] > 0
+    params = SamplingParams(max_tokens=10, ignore_eos="min_tokens" not in setting, **setting)
+    before = llm.engine.stats()["spec_verified_rows_total"]
+    got, expected = llm.generate([prompt], params)[0], plain.generate([prompt], params)[0]
+    assert got.token_ids == expected.token_ids
+    if params.logprobs is not None:
+        assert [t.token_id for t in got.logprobs] == [t.token_id for t in expected.logprobs]
+        np.testing.assert_allclose([t.logprob for t in got.logprobs], [t.logprob for t in expected.logprobs],
+                                   rtol=1e-5, atol=1e-5)
+    assert llm.engine.stats()["spec_verified_rows_total"] > before
 
 
 def test_verify_programs_are_issued_before_the_one_before_is_read_back(plain, hybrid_mtp_dir, kit):
