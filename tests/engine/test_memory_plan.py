@@ -57,7 +57,8 @@ def plan(big, utilization: float, max_num_seqs: int | None, max_model_len: int, 
 
 def test_too_many_sequences_names_max_num_seqs_and_the_most_that_fit(big):
     """H100 at gpu_memory_utilization 0.9: 1.18 GiB beside the weights, 63.6 MiB a sequence's state and tables. The
-    refusal names --max-num-seqs with the largest count the plan accepts (one more is refused), and -tp 2, where 64 fit."""
+    refusal names --max-num-seqs with the largest count the plan accepts (one more is refused), and -tp 2, where 64
+    fit."""
     with pytest.raises(MemoryPlanError) as refused:
         plan(big, 0.9, 64, 4096)
     assert refused.value.limit == "max_num_seqs" and refused.value.fits == 16
