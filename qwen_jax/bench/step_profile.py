@@ -27,8 +27,9 @@ from qwen_jax.bench.speculative import spec_config
 from qwen_jax.config import load_config
 from qwen_jax.engine import buckets
 from qwen_jax.engine.core import engine_args
+from qwen_jax.engine.programs import VERIFY_ROUNDS_PER_DECODE_STEP
 from qwen_jax.engine.replica import DECODE_STEPS, Replica
-from qwen_jax.engine.runner import VERIFY_ROUNDS_PER_DECODE_STEP, ModelRunner
+from qwen_jax.engine.runner import ModelRunner
 from qwen_jax.engine.scheduler import Row
 from qwen_jax.engine.sequence import Sequence
 from qwen_jax.engine.speculative import parse_speculative_config
