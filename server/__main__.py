@@ -288,6 +288,8 @@ def check_args(args: argparse.Namespace) -> None:
         if args.model is not None and args.model != args.model_tag:
             raise UsageError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    # the name a client knows the model by: --model as given (a hub id stays a hub id), as vLLM serves it
+    args.model_as_given = args.model
     try:
         if args.model is not None:
             args.model = resolve_path(args.model, args.revision, args.download_dir)
@@ -456,6 +458,18 @@ def follow(model: str, args: dict) -> int:
     return 0
 
 
+def default_model_names(args: argparse.Namespace, engine) -> tuple[str, ...]:
+    """The names a server without --served-model-name answers to: the model directory's name (listed first, as this
+    server always has) and --model as given, the name vLLM serves it under, so a client written for vLLM finds it;
+    a hub id alone (it resolves to a snapshot folder, whose name no client knows)."""
+    given = args.model_as_given
+    if given is None:  # the built-in model
+        return (engine.model_name,)
+    if not os.path.exists(given):  # a hub id from the local cache
+        return (given,)
+    return tuple(dict.fromkeys((engine.model_name, given)))
+
+
 def main(argv: list[str] | None = None) -> int:
     from qwen_jax import host_settings
 
@@ -503,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
              ", experts split" if engine.engine_args.get("enable_expert_parallel") else "")
     # --max-num-seqs is per data-parallel replica (as in vLLM): the engine runs dp times as many sequences at once.
     running = (args.max_num_seqs or 64) * dp
-    config = ServerConfig(served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key,
+    config = ServerConfig(served_model_names=tuple(args.served_model_name or default_model_names(args, engine)),
+                          api_key=args.api_key,
                           max_num_seqs=running, max_queue_len=args.max_queue_len,
                           max_body_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
                           chat_template=args.chat_template, access_log=not args.disable_access_log,

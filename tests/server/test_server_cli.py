@@ -263,3 +263,22 @@ def test_cross_origin_requests_are_allowed_by_default_as_in_vllm(server):
     with urllib.request.urlopen(urllib.request.Request(server.url + "/health", headers={"Origin": "http://x"}),
                                 timeout=30) as resp:
         assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "*"
+
+
+def test_without_served_model_name_the_server_answers_to_the_model_as_given(tmp_path):
+    """A client written for vLLM names the model by --model as given: a directory is served under its folder's name
+    (first, as before) and the path as given; a hub id (resolved to a snapshot folder) under the hub id alone; the
+    built-in model under its folder's name."""
+    import argparse
+    from types import SimpleNamespace
+
+    from server.__main__ import default_model_names
+
+    folder = tmp_path / "Qwen3.5-tiny"
+    folder.mkdir()
+    engine = SimpleNamespace(model_name="Qwen3.5-tiny")
+    assert default_model_names(argparse.Namespace(model_as_given=str(folder)), engine) == ("Qwen3.5-tiny",
+                                                                                           str(folder))
+    snapshot = SimpleNamespace(model_name="0123abcd")
+    assert default_model_names(argparse.Namespace(model_as_given="Qwen/Qwen3.5-4B"), snapshot) == ("Qwen/Qwen3.5-4B",)
+    assert default_model_names(argparse.Namespace(model_as_given=None), engine) == ("Qwen3.5-tiny",)
