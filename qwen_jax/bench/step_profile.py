@@ -193,9 +193,9 @@ def layer_row(runner: ModelRunner, cfg, batch: int, context: int) -> dict:
     width = blocks_for(context + 1)
     tables = [list(range(1 + i * width, 1 + (i + 1) * width)) for i in range(batch)]
     ragged_batch = jax.tree.map(jnp.asarray, ragged([context] * batch, [1] * batch, range(1, batch + 1), tables,
-                                                    batch, batch, runner.table_width))
+                                                    batch, batch, runner.shapes.table_width))
     x = jax.random.normal(jax.random.key(0), (batch, cfg.hidden_size), jnp.float32).astype(cfg.jnp_dtype)
-    inv, ops = jnp.asarray(cfg.rope_inv_freq()), ops_for(runner.kernels)
+    inv, ops = jnp.asarray(cfg.rope_inv_freq()), ops_for(runner.shapes.kernels)
     row = {"layer_batch": batch}
     attn_i = cfg.attention_layers[0]
     f = jax.jit(lambda x, p, c, b: attention_layer(x, p, c, b, cfg, inv, ops.attention, ops.dense)[0])

@@ -120,7 +120,7 @@ def _assert_cache_split(llm: LLM) -> None:
     """KV pages and GDN state (and the prefix-cache snapshots) take their rules' per-device share."""
     replica = llm.engine.replicas[0]
     runner = replica.runner
-    expected = rules.cache_bytes_per_device(replica.cfg, replica.mesh, replica.num_blocks, runner.block_size,
+    expected = rules.cache_bytes_per_device(replica.cfg, replica.mesh, replica.num_blocks, replica.block_size,
                                             replica.max_num_seqs + 1)
     assert set(rules.bytes_per_device(runner.cache).values()) == {expected}
     whole = sum(a.nbytes for a in jax.tree.leaves(runner.cache))
