@@ -33,7 +33,8 @@ MODEL="$DIR" TAG=genconfig LABEL="generation_config top_k 20 top_p 0.95$depth" b
 # 0.01), which the top-k/top-p sampler draws from (nearly always the draft).
 if [[ "${ECHO:-0}" == 1 ]]; then
   export QWEN_JAX_LOG="$OUT/echo.log" QWEN_JAX_PID_FILE="$OUT/echo.pid"
-  ./start.sh --model "$DIR" --load-format dummy_echo --port 8000 --compilation-cache-dir "${CACHE:-/tmp/qwen_jax_cc}" \
+  ./start.sh --model "$DIR" --served-model-name m --load-format dummy_echo --port 8000 \
+    --compilation-cache-dir "${CACHE:-/tmp/qwen_jax_cc}" \
     --disable-access-log "$@" > "$OUT/echo_start.txt" 2>&1 || { tail -30 "$QWEN_JAX_LOG"; exit 1; }
   for temperature in 0 "${TEMPERATURE:-0.01}"; do
     python3 -m qwen_jax.bench.serve --base-url http://127.0.0.1:8000 --model m --tokenizer "$DIR" --concurrency 1 \
