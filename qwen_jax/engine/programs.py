@@ -214,7 +214,10 @@ def program(key: ProgramKey, shapes: Shapes, mesh: Mesh, state: dict) -> tuple[C
         return jax.ShapeDtypeStruct((size,), np.int32, sharding=replicated)
 
     model = dict(cfg=cfg, mesh=mesh, kernels=shapes.kernels)
-    sampling_layout = shapes.padding_sampling(shapes.requests(key.size))[1]
+
+    def sampling_layout() -> step.Layout:  # the sampling tensors' layout of a step of this bucket
+        return shapes.padding_sampling(shapes.requests(key.size))[1]
+
     match key.kind:
         case "forward":
             layout = shapes.step_inputs(key.size)[1]
@@ -226,10 +229,10 @@ def program(key: ProgramKey, shapes: Shapes, mesh: Mesh, state: dict) -> tuple[C
             return step.sample_step, (logits, packed(layout.size), state["last_tokens"], state["tables"]), dict(
                 layout=layout, num_top_logprobs=key.top, path=key.path)
         case "decode_steps":
-            layout = shapes.step_inputs(key.size)[1]
+            layout, sampling = shapes.step_inputs(key.size)[1], sampling_layout()
             return step.decode_steps, (state["params"], state["cache"], state["last_tokens"], state["tables"],
-                                       packed(layout.size), packed(sampling_layout.size)), dict(
-                layout=layout, sampling_layout=sampling_layout, steps=key.steps, num_top_logprobs=key.top,
+                                       packed(layout.size), packed(sampling.size)), dict(
+                layout=layout, sampling_layout=sampling, steps=key.steps, num_top_logprobs=key.top,
                 path=key.path, **model)
         case "draft":
             layout = shapes.step_inputs(key.size)[1]
@@ -239,20 +242,20 @@ def program(key: ProgramKey, shapes: Shapes, mesh: Mesh, state: dict) -> tuple[C
                                      state["drafts"], packed(layout.size)), dict(
                 layout=layout, draft_len=shapes.num_speculative_tokens, **model)
         case "verify":
-            layout = shapes.verify_inputs(key.size)[1]
+            layout, sampling = shapes.verify_inputs(key.size)[1], sampling_layout()
             return step.verify_step, (state["params"], state["cache"], state["last_tokens"], state["drafts"],
                                       state["emitted"], state["tables"], packed(layout.size),
-                                      packed(sampling_layout.size)), dict(
-                layout=layout, sampling_layout=sampling_layout, draft_len=key.draft_len, rounds=key.steps,
+                                      packed(sampling.size)), dict(
+                layout=layout, sampling_layout=sampling, draft_len=key.draft_len, rounds=key.steps,
                 num_top_logprobs=key.top, path=key.path, **model)
         case "stage":
             buffer = packed(shapes.inputs_layout(key).size)
             return step.stage_inputs, (buffer, buffer), {}
         case "stage_behind":
-            layout = shapes.inputs_layout(key)
+            layout, sampling = shapes.inputs_layout(key), sampling_layout()
             buffer = packed(layout.size)
-            return step.stage_behind, (buffer, buffer, packed(sampling_layout.size), state["emitted"]), dict(
-                layout=layout, sampling_layout=sampling_layout)
+            return step.stage_behind, (buffer, buffer, packed(sampling.size), state["emitted"]), dict(
+                layout=layout, sampling_layout=sampling)
         case "restore" | "save":
             index = packed(key.size)
             fn = step.restore_snapshots if key.kind == "restore" else step.save_snapshots

@@ -92,9 +92,9 @@ class Replica:
     def _size_memory(self, args: dict, fixed_drafts: int, params: dict | None) -> None:
         """Cache sizes from the tightest device of this replica (memory_plan.plan_memory): its memory after the
         weights (`params`' leaves that are only shapes yet count as placed) and its shard of a block / slot (a slot
-        also holds a row of penalty counts, whole on every device). `fixed_drafts`: the drafts every verify step must
-        verify (a fixed speculative config; 0: none). A configuration that does not fit is refused here, before any
-        program compiles."""
+        also holds its rows of the sampling tables, whole on every device). `fixed_drafts`: the drafts every verify
+        step must verify (a fixed speculative config; 0: none). A configuration that does not fit is refused here,
+        before any program compiles."""
         cfg, block_size = self.cfg, self.block_size
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = [d.memory_stats() or {} for d in local]

@@ -79,10 +79,6 @@ class ModelRunner:
         return self.shapes.num_speculative_tokens
 
     @property
-    def max_num_seqs(self) -> int:
-        return self.shapes.max_num_seqs
-
-    @property
     def num_slots(self) -> int:
         return self.shapes.num_slots
 
