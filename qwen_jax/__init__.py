@@ -2,17 +2,17 @@
 
 Importing it never allocates device memory (JAX is told not to preallocate, so other processes can share the GPU)
 and never imports the engine: the public names load on first use, so a low module (the config, a layer) imports
-alone, without the package pulling in everything above it. JAX's allocator may grow to 95% of the device (its
-default cap is 75%); the engine argument `gpu_memory_utilization` sizes the caches.
+alone, without the package pulling in everything above it. JAX's allocator may grow to 99% of the device (its
+default cap is 75%); the engine argument `gpu_memory_utilization` is the share of the device the engine takes.
 """
 
 import importlib
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# Under JAX's default cap of 75% an H200 holding 35B-A3B's 65 GiB of weights has room for only ~370k KV tokens,
-# fewer than 256 sequences of 2k tokens need; the engine's own budget (gpu_memory_utilization) is the real limit.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# Under JAX's default cap of 75% an H200 holding 35B-A3B's 66 GiB of weights has room for only ~370k KV tokens, and
+# an H100 80 GB none; the engine's own budget (gpu_memory_utilization, a share of the device) is the real limit.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.99")
 
 # The public API, by name -> the module that defines it. The server (and any other user) imports these only.
 _PUBLIC = {

@@ -27,13 +27,7 @@ t0=$(now)
 echo "$TAG launched at $(date +%T.%N)"
 ./start.sh "${ARGS[@]}" > "$OUT/${TAG}_start.txt" 2>&1 || { echo "start failed"; tail -30 "$QWEN_JAX_LOG"; exit 1; }
 echo "$TAG ready_s $(since "$t0") (the compile cache had $cached entries at launch: 0 is a cold start)"
-python3 -m qwen_jax.bench.serve --base-url "http://127.0.0.1:$PORT" --model m --tokenizer "$MODEL" \
-  --concurrency "${LEVELS:-1,2,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --warmup-requests 0 \
-  --input-len 1024 --output-len "${OUTLEN:-300}" --temperature 1 --results "$OUT/RESULTS.json" \
-  --device "${DEVICE:-H200}" --layout "${LAYOUT_LABEL:-auto}" --weights random --no-progress \
-  --label "judge procedure: cold start then c=1..64; ${LABEL:-} flags: $*" > "$OUT/${TAG}_serve.txt" 2>&1
-grep -A12 "^ conc" "$OUT/${TAG}_serve.txt" | grep -v "^$" ; grep "weighted score" "$OUT/${TAG}_serve.txt" \
-  || tail -20 "$OUT/${TAG}_serve.txt"
+MODEL="$MODEL" TAG="$TAG" bash scripts/judge_levels.sh "$@"
 grep -c "compiled " "$QWEN_JAX_LOG" | sed "s/^/$TAG programs compiled: /"
 grep "compiled .* programs in\|working memory\|layout:\|loaded " "$QWEN_JAX_LOG" | cut -c1-220
 bash scripts/startup_timeline.sh "$QWEN_JAX_LOG"

@@ -48,9 +48,6 @@ COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, min(COMPILE_THREADS - 1,
 # How long a core whose own compile workers are done waits for the other cores' share of the programs before it
 # compiles what is still missing itself.
 OTHERS_GRACE_S = 60.0
-# Share of the memory held back from the caches that the two largest programs' working memory may take together
-# (the allocator keeps one program's peak while the other runs); the rest is for the compiled programs themselves.
-WORKING_MEMORY_SHARE = 0.9
 # How a compile worker's out-of-device-memory failure reads (XLA's status code)
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
 # Threads that read and load stored programs at once (a restart loads every program from the store)
@@ -76,6 +73,31 @@ def working_bytes(compiled: jax.stages.Compiled) -> int | None:
     """A compiled program's working memory (XLA's temp buffers), None when XLA does not say."""
     analysis = compiled.memory_analysis()
     return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def measure_working(shapes: Shapes, mesh) -> int:
+    """The working memory (XLA's temp buffers) of the largest forward of `shapes` on `mesh`: its largest token
+    bucket's, compiled here (a few seconds; its record is kept under the compilation cache, so a restart reads it).
+    The memory plan holds it free beside the caches."""
+    key = ProgramKey("forward", shapes.token_buckets[-1])
+    digest = hashlib.sha256(pickle.dumps((shapes, key, dict(mesh.shape), mesh.devices.flat[0].device_kind,
+                                          jax.__version__, os.environ.get("XLA_FLAGS", ""),
+                                          source_digest()))).hexdigest()[:24]
+    root = jax.config.jax_compilation_cache_dir
+    record = os.path.join(root, "qwen_jax_working", digest) if root else None
+    if record and os.path.exists(record):
+        with open(record) as f:
+            return int(f.read())
+    began = time.perf_counter()
+    working = working_bytes(ProgramTable(shapes, mesh).lower(key).compile()) or 0
+    log.info("%s's working memory: %.2f GiB (measured in %.1fs)", key.name, working / 2**30,
+             time.perf_counter() - began)
+    if record:
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+        with open(record + f".{os.getpid()}.tmp", "w") as f:
+            f.write(str(working))
+        os.replace(record + f".{os.getpid()}.tmp", record)
+    return working
 
 
 @functools.cache
@@ -425,29 +447,48 @@ class Compiler:
         """Run the programs of token bucket `size` once on padding only (no request: every write goes to the sinks,
         KV block 0, state slot 0) and wait for them: a program's first run costs the host far more than later ones
         (on a GPU: loading it, recording its CUDA graphs). Overwrites last_tokens: only while no sequence runs."""
-        r, shapes = self.runner, self.shapes
+        shapes = self.shapes
         buffer, layout = shapes.step_inputs(size)
         requests = shapes.requests(size)
         sampling, sampling_layout = shapes.padding_sampling(requests)
-        execute = r.executor
         batch = (buffer, layout, sampling, sampling_layout, 0, 0)
-        jax.block_until_ready(execute([step.Forward(*batch, head=bool(shapes.num_speculative_tokens), behind=False)]))
+        self._first_run(ProgramKey("forward", size),
+                        step.Forward(*batch, head=bool(shapes.num_speculative_tokens), behind=False))
         if size <= shapes.several_steps_rows:
             for path, top in MODEL_SAMPLER_VARIANTS:
-                if ProgramKey("decode_steps", size, shapes.decode_steps, path=path, top=top) in self.table.compiled:
-                    jax.block_until_ready(execute([step.DecodeSteps(buffer, layout, sampling, sampling_layout, path,
-                                                                    top, steps=shapes.decode_steps, behind=False)]))
+                key = ProgramKey("decode_steps", size, shapes.decode_steps, path=path, top=top)
+                if key in self.table.compiled:
+                    self._first_run(key, step.DecodeSteps(buffer, layout, sampling, sampling_layout, path, top,
+                                                          steps=shapes.decode_steps, behind=False))
         # a model that speculates: its verify programs, and each kind of step caught up on one (padding: no row is
         # behind, so nothing moves)
         for k, rounds in shapes.verify_variants(size) if shapes.num_speculative_tokens else ():
             for path, top in MODEL_SAMPLER_VARIANTS:
-                if ProgramKey("verify", size, rounds, k, path=path, top=top) in self.table.compiled:
-                    jax.block_until_ready(execute([step.Verify(*shapes.verify_inputs(size), sampling, sampling_layout,
-                                                               path, top, draft_len=k, rounds=rounds, behind=True)]))
+                key = ProgramKey("verify", size, rounds, k, path=path, top=top)
+                if key in self.table.compiled:
+                    self._first_run(key, step.Verify(*shapes.verify_inputs(size), sampling, sampling_layout, path,
+                                                     top, draft_len=k, rounds=rounds, behind=True))
         if shapes.num_speculative_tokens:
-            jax.block_until_ready(execute([step.Forward(*batch, head=True, behind=True)]))
+            self._first_run(ProgramKey("forward", size), step.Forward(*batch, head=True, behind=True))
         if size == min(s for s in shapes.token_buckets if shapes.requests(s) == requests):
             self._run_samplers(requests)
+
+    def _first_run(self, key: ProgramKey, op) -> None:
+        """Run `op` (the program `key` and what it stages) once and wait for it. Out of device memory, the start ends
+        with an error that names the program and what to lower."""
+        try:
+            jax.block_until_ready(self.runner.executor([op]))
+        except Exception as exc:
+            if OUT_OF_MEMORY not in str(exc):
+                raise
+            stats = self.runner.mesh.devices.flat[0].memory_stats() or {}
+            held = f"; {stats['bytes_in_use'] / 2**30:.2f} of {stats['bytes_limit'] / 2**30:.2f} GiB in use" \
+                if "bytes_limit" in stats else ""
+            raise MemoryError(
+                f"the step program {key.name} ran out of device memory on its first run at start-up (its working "
+                f"memory: {self.working_bytes.get(key.name, 0) / 2**30:.2f} GiB{held}): lower "
+                f"--gpu-memory-utilization (the caches then take less of the device), --max-num-batched-tokens or "
+                f"--max-num-seqs") from exc
 
     def _run_samplers(self, requests: int) -> None:
         """Every compiled sampler variant of `requests` rows once, on zero logits."""
@@ -462,9 +503,9 @@ class Compiler:
 
     def check_memory(self) -> None:
         """The memory plan at start-up, before any program runs: every program's working memory (XLA's temp
-        buffers) must fit in WORKING_MEMORY_SHARE of what is held back from the caches. Programs run one after
-        another on one stream, so each reuses the memory of the one before it, and the first run (run_padding) is
-        the largest's. Raises ValueError saying what to lower."""
+        buffers) must fit in what the caches leave of the engine's share of the device (`held_back`). Programs run
+        one after another on one stream, so each reuses the memory of the one before it, and the first run
+        (run_padding) is the largest's. Raises ValueError saying what to lower."""
         self.memory_checked = True
         held_back = self.held_back
         if held_back is None or not self.working_bytes:
@@ -472,10 +513,10 @@ class Compiler:
         name, need = max(self.working_bytes.items(), key=lambda item: item[1])
         log.info("working memory: at most %.2f GiB (%s); %.2f GiB held back from the caches", need / 2**30, name,
                  held_back / 2**30)
-        if need > WORKING_MEMORY_SHARE * held_back:
+        if need > held_back:
             raise ValueError(
                 f"the step program {name} needs {need / 2**30:.2f} GiB of working memory, more than the "
-                f"{WORKING_MEMORY_SHARE * held_back / 2**30:.2f} GiB left to it: lower --max-num-batched-tokens, "
+                f"{held_back / 2**30:.2f} GiB the caches leave: lower --max-num-batched-tokens, "
                 f"--max-num-seqs or --speculative-config's num_speculative_tokens, or lower --gpu-memory-utilization")
 
     def warm_up(self, full: bool, part: tuple[int, int] = (0, 1)) -> None:

@@ -7,6 +7,7 @@ Pure arithmetic over plain numbers: it never touches a device, so it runs (and r
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 GiB = 2**30
@@ -15,6 +16,14 @@ GiB = 2**30
 MAX_NUM_SEQS_CAP = 64
 # Prefix-cache snapshots of recurrent state take at most this share of the memory the sequences' states leave.
 SNAPSHOT_SHARE = 0.2
+
+
+def engine_share(stats: dict, utilization: float) -> float:
+    """The bytes of a device this engine may take at gpu_memory_utilization `utilization` (vLLM's meaning: a share of
+    the whole device), from its memory statistics: XLA's allocator may grow to XLA_PYTHON_CLIENT_MEM_FRACTION of the
+    device (its `bytes_limit`), and never past it."""
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    return min(stats["bytes_limit"] * utilization / fraction, float(stats["bytes_limit"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +42,7 @@ class MemoryPlan:
     max_num_seqs: int
     num_blocks: int  # KV blocks, the padding sink (block 0) included
     num_snapshots: int  # prefix-cache state snapshots
+    spare: float  # bytes of the capacity left beside the weights, the working memory held free and the caches
 
 
 class MemoryPlanError(ValueError):
@@ -47,9 +57,10 @@ class MemoryPlanError(ValueError):
 
 def plan_memory(capacity: float, footprint: Footprint, *, block_size: int, max_model_len: int,
                 max_num_seqs: int | None, keeps_snapshots: bool, num_snapshots: int | None = None,
-                num_kv_blocks: int | None = None,
+                num_kv_blocks: int | None = None, working: float = 0.0,
                 wider: Callable[[], Sequence[tuple[int, Footprint]]] = tuple) -> MemoryPlan:
-    """The caches of one replica in `capacity` bytes (what weights and caches may take on its tightest device).
+    """The caches of one replica in `capacity` bytes (what this engine may take of its tightest device), beside the
+    weights and `working` bytes held free for the programs' working memory (the largest program's, measured).
 
     Every sequence holds a slot (recurrent state and penalty counts; slot 0 is the padding sink), then come the
     prefix-cache snapshots (`keeps_snapshots`: a hybrid model with prefix caching; by default at most 2 a sequence
@@ -64,7 +75,7 @@ def plan_memory(capacity: float, footprint: Footprint, *, block_size: int, max_m
     max_num_seqs sequences must fit with one KV block; then one sequence of max_model_len must find its KV blocks.
     `wider()`: (tensor-parallel size, Footprint there) to try, smallest first (asked only on a refusal); a refusal
     names the first under which the same configuration fits."""
-    room = capacity - footprint.weights  # for the caches
+    room = capacity - footprint.weights - working  # for the caches
     per_seq = footprint.per_slot + footprint.per_counts
     needs = -(-max_model_len // block_size)  # KV blocks of one sequence at max_model_len
 
@@ -82,9 +93,9 @@ def plan_memory(capacity: float, footprint: Footprint, *, block_size: int, max_m
 
     def usable_blocks(seqs: int) -> int:
         """KV blocks (the sink not counted) beside `seqs` sequences' slots: -1 when the slots themselves do not fit
-        (with one block beside them when the blocks come from memory)."""
-        if num_kv_blocks is not None:
-            return int(num_kv_blocks) if kv_room(seqs) >= 0 else -1
+        (with one block beside them when the blocks come from memory, with the given blocks when given)."""
+        if num_kv_blocks is not None:  # given: they (and the sink) must fit too
+            return int(num_kv_blocks) if kv_room(seqs) >= (num_kv_blocks + 1) * footprint.per_block else -1
         if not footprint.per_block:
             return 2 * seqs * needs if kv_room(seqs) >= 0 else -1
         blocks = int(kv_room(seqs) // footprint.per_block) - 1
@@ -101,7 +112,7 @@ def plan_memory(capacity: float, footprint: Footprint, *, block_size: int, max_m
             try:
                 plan_memory(capacity, there, block_size=block_size, max_model_len=max_model_len,
                             max_num_seqs=max_num_seqs, keeps_snapshots=keeps_snapshots,
-                            num_snapshots=num_snapshots, num_kv_blocks=num_kv_blocks)
+                            num_snapshots=num_snapshots, num_kv_blocks=num_kv_blocks, working=working)
             except MemoryPlanError:
                 continue
             return size
@@ -115,16 +126,18 @@ def plan_memory(capacity: float, footprint: Footprint, *, block_size: int, max_m
         tp = smallest_tp()
         one = 2 * per_seq + 2 * footprint.per_block  # a sequence's slot and KV block, and the padding sinks
         raise MemoryPlanError(
-            f"the weights take {footprint.weights / GiB:.2f} GiB a device and the cache of one sequence at least "
-            f"{one / GiB:.2f} GiB more; this device holds {capacity / GiB:.2f} GiB for weights and cache at this "
-            f"--gpu-memory-utilization: use " + (f"-tp {tp}" if tp else "more devices (-tp)"), "weights", tp)
+            f"the weights take {footprint.weights / GiB:.2f} GiB a device, the programs' working memory "
+            f"{working / GiB:.2f} GiB and the cache of one sequence at least {one / GiB:.2f} GiB more; this engine may "
+            f"take {capacity / GiB:.2f} GiB of this device at this --gpu-memory-utilization: use "
+            + (f"-tp {tp}" if tp else "more devices (-tp)"), "weights", tp)
     seqs = (most_seqs(MAX_NUM_SEQS_CAP, each=True) or 1) if max_num_seqs is None else int(max_num_seqs)
     if usable_blocks(seqs) < 0:
         fits = most_seqs(seqs - 1)
         if fits:
             raise MemoryPlanError(
                 f"recurrent state for {seqs} sequences needs {(seqs + 1) * per_seq / GiB:.2f} GiB ({seqs + 1} slots "
-                f"of {per_seq / 2**20:.1f} MiB), {room / GiB:.2f} GiB are free beside the weights: at most {fits} "
+                f"of {per_seq / 2**20:.1f} MiB), {room / GiB:.2f} GiB are free beside the weights and the programs' "
+                f"working memory: at most {fits} "
                 f"sequences fit at max_model_len {max_model_len} on this device; use --max-num-seqs {fits}{or_tp()}",
                 "max_num_seqs", fits)
         seqs = 1  # not even one sequence of max_model_len fits: max_model_len binds, whatever the sequences
@@ -141,5 +154,6 @@ def plan_memory(capacity: float, footprint: Footprint, *, block_size: int, max_m
             + (f" --max-num-seqs {seqs}" if max_num_seqs is not None and seqs != max_num_seqs else "")
             + (f", or --max-num-seqs {fewer} to keep max_model_len {max_model_len}" if fewer else "") + or_tp(),
             "max_model_len", longest)
-    return MemoryPlan(seqs, 1 + (blocks if num_kv_blocks is not None else min(2 * seqs * needs, blocks)),
-                      snapshots(seqs))
+    num_blocks = 1 + (blocks if num_kv_blocks is not None else min(2 * seqs * needs, blocks))
+    caches = (seqs + 1) * per_seq + snapshots(seqs) * footprint.per_slot + num_blocks * footprint.per_block
+    return MemoryPlan(seqs, num_blocks, snapshots(seqs), max(room - caches, 0.0))

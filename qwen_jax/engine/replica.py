@@ -17,9 +17,9 @@ from jax.sharding import AbstractMesh, Mesh
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine import buckets
-from qwen_jax.engine.compilation import Compiler, uses_workers
+from qwen_jax.engine.compilation import Compiler, measure_working, uses_workers
 from qwen_jax.engine.memory import BlockPool, SlotPool
-from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, plan_memory
+from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, MemoryPlanError, engine_share, plan_memory
 from qwen_jax.engine.prefix_cache import PrefixCache
 from qwen_jax.engine.programs import Shapes
 from qwen_jax.engine.runner import ModelRunner
@@ -42,11 +42,14 @@ DECODE_STEPS_MAX_ROWS = 8
 # The default token budget of a step (engine argument max_num_batched_tokens; core.py says why).
 GPU_BATCHED_TOKENS = 8192
 BATCHED_TOKENS = 2048
-# The share of the memory held back from the caches that a verify step's per-token GDN states may take, for the
-# padded tokens of its bucket; the rest is for the compiled programs (Compiler.check_memory checks every program's
-# working memory at start-up, and runs the largest first). 35B-A3B on one H200 at gpu_memory_utilization 0.9:
-# ~16 of ~20 GiB held back at 61 MB a token: the 256-token bucket (64 rows of 3 drafts, 15.4 GiB).
-VERIFY_STATES_SHARE = 0.8
+# A verify step keeps every GDN layer's state after each of its tokens until its commit (a slot's worth a token): its
+# working memory is those states and this much more (verify[32, k=3] of 35B-A3B on an H100: 2.10 GiB for 1.91 GiB
+# of states).
+VERIFY_WORKING_PER_STATE = 1.1
+# The rows whose verify states are held free beside the caches: the most sequences first (max_num_seqs not given:
+# room for the few rows where speculation pays most), or up to the rows speculation runs at (given). Where that does
+# not fit, the few, then one row, then none: speculation then takes what the caches leave.
+SPECULATING_ROWS = (8, 64)
 
 
 class Replica:
@@ -64,7 +67,7 @@ class Replica:
         self.max_num_batched_tokens = int(budget)
         self.block_size = int(args["block_size"])
         spec = parse_speculative_config(args["speculative_config"], cfg.has_mtp)
-        self._size_memory(args, spec.num_drafts if spec.fixed else 0, params)
+        self._size_memory(args, spec, params)
         self.blocks = BlockPool(self.num_blocks, self.block_size)
         self.slots = SlotPool(self.max_num_seqs + 1)
         self.prefix_cache = (PrefixCache(self.blocks, self.num_snapshots, cfg.is_hybrid)
@@ -89,61 +92,92 @@ class Replica:
         self.runner.compile_buckets = self.compiler.compile
 
     # ---- memory sizing ---------------------------------------------------------------------------------------
-    def _size_memory(self, args: dict, fixed_drafts: int, params: dict | None) -> None:
-        """Cache sizes from the tightest device of this replica (memory_plan.plan_memory): its memory after the
-        weights (`params`' leaves that are only shapes yet count as placed) and its shard of a block / slot (a slot
-        also holds its rows of the sampling tables, whole on every device). `fixed_drafts`: the drafts every verify
-        step must verify (a fixed speculative config; 0: none). A configuration that does not fit is refused here,
-        before any program compiles."""
+    def _size_memory(self, args: dict, spec, params: dict | None) -> None:
+        """Cache sizes from the tightest device of this replica (memory_plan.plan_memory): the share of it this
+        engine may take (gpu_memory_utilization of the device), less the weights (`params`' leaves that are only
+        shapes yet count as placed) and the working memory held free for the programs: the larger of the largest
+        forward's, measured (compilation.measure_working), and the states a verify step of the rows speculation
+        is given room for keeps (SPECULATING_ROWS). What the caches leave (`held_back`) is the programs': a verify
+        step takes the largest token bucket whose states fit there. A configuration that does not fit is refused
+        here, before any program compiles (but that forward)."""
         cfg, block_size = self.cfg, self.block_size
+        fixed_drafts = spec.num_drafts if spec.fixed else 0
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = [d.memory_stats() or {} for d in local]
-        # weights and caches may take this share of each device; 5% more than gpu_memory_utilization asks is held
-        # back for activations and compiled programs
-        share = float(args["gpu_memory_utilization"]) - 0.05
-        held_back = float("inf")  # memory left to activations and compiled programs
+        measured = bool(local) and all("bytes_limit" in s for s in stats)
         if not local:  # a replica on other hosts: theirs decide (the allgather below)
             capacity, weights = float("inf"), 0.0
-        elif all("bytes_limit" in s for s in stats):
+        elif measured:
             unplaced = rules.shard_bytes([leaf for leaf in jax.tree.leaves(params or {})
                                           if isinstance(leaf, jax.ShapeDtypeStruct)])
-            capacity, weights = min(((s["bytes_limit"] * share, s["bytes_in_use"] + unplaced) for s in stats),
+            share = float(args["gpu_memory_utilization"])
+            capacity, weights = min(((engine_share(s, share), s["bytes_in_use"] + unplaced) for s in stats),
                                     key=lambda device: device[0] - device[1])
-            held_back = min(s["bytes_limit"] * (1.0 - share) for s in stats)
         else:  # no memory statistics (the CPU): a fixed cache budget, the weights not counted
             capacity, weights = float(args["cpu_cache_budget_gib"]) * 2**30, 0.0
         if jax.process_count() > 1:  # every host must build the same cache shapes and verify programs
-            hosts = multihost_utils.process_allgather(np.array([capacity, weights, held_back], np.float64))
+            hosts = multihost_utils.process_allgather(np.array([capacity, weights, measured], np.float64))
             capacity, weights = (float(v) for v in hosts[np.argmin(hosts[:, 0] - hosts[:, 1]), :2])
-            held_back = float(hosts[:, 2].min())
+            measured = measured or bool(hosts[:, 2].max())
         max_num_seqs = args["max_num_seqs"]
-        if max_num_seqs is None and held_back == float("inf"):  # no device reports its memory: the cap, as before
+        if max_num_seqs is None and not measured:  # no device reports its memory: the cap, as before
             max_num_seqs = MAX_NUM_SEQS_CAP
         footprint = self._footprint(self.mesh, weights)
-        plan = plan_memory(capacity, footprint, block_size=block_size,
-                           max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                           keeps_snapshots=cfg.is_hybrid and bool(args["enable_prefix_caching"]),
-                           num_snapshots=args["num_snapshots"], num_kv_blocks=args["num_kv_blocks"],
-                           wider=self._wider_footprints)
-        if max_num_seqs is None:
+        per_token = VERIFY_WORKING_PER_STATE * footprint.per_slot  # a verify token's working memory
+        drafts = spec.num_drafts
+
+        def plan_for(rows: int, working: float):  # (working memory held free, plan) with verify room for `rows`
+            reserve = max(working, per_token * rows * (drafts + 1)) if drafts and measured else working
+            return reserve, plan_memory(
+                capacity, footprint, block_size=block_size, max_model_len=self.max_model_len,
+                max_num_seqs=max_num_seqs, keeps_snapshots=cfg.is_hybrid and bool(args["enable_prefix_caching"]),
+                num_snapshots=args["num_snapshots"], num_kv_blocks=args["num_kv_blocks"], working=reserve,
+                wider=self._wider_footprints)
+
+        plan_for(0, 0.0)  # what cannot fit even without the programs is refused before anything compiles
+        working = float(measure_working(self._probe_shapes(args, spec), self.mesh)) if measured else 0.0
+        if jax.process_count() > 1:
+            working = float(multihost_utils.process_allgather(np.array(working, np.float64)).max())
+        few, many = SPECULATING_ROWS
+        # verify room for the rows speculation runs at, else for fewer; the last refusal (no verify room) stands
+        for rows in dict.fromkeys((min(max_num_seqs, many) if max_num_seqs else few, min(max_num_seqs or few, few),
+                                   1, 0)):
+            try:
+                reserve, plan = plan_for(rows, working)
+                break
+            except MemoryPlanError as exc:
+                refused = exc
+        else:
+            raise refused
+        if args["max_num_seqs"] is None:
             log.info("replica %d: max_num_seqs %d (the most, up to %d, that fit with KV for each at max_model_len "
                      "%d; --max-num-seqs sets it)", self.index, plan.max_num_seqs, MAX_NUM_SEQS_CAP,
                      self.max_model_len)
         self.max_num_seqs, self.num_blocks, self.num_snapshots = plan.max_num_seqs, plan.num_blocks, plan.num_snapshots
-        # A verify step keeps every GDN layer's state after each of its tokens until its commit (a slot's worth a
-        # token), in the memory held back from the cache: its tokens are capped to fit (None: no cap known).
-        per_slot = footprint.per_slot
-        self.max_verify_tokens = None
-        if per_slot and held_back < float("inf"):  # the largest token bucket that fits (a step pads to one)
-            fits = int(VERIFY_STATES_SHARE * held_back // per_slot)
+        self.held_back = reserve + plan.spare if measured else None  # the programs' memory beside the caches
+        self.max_verify_tokens = None  # the most tokens a verify step takes (None: no cap known)
+        if footprint.per_slot and self.held_back is not None:  # the largest token bucket that fits (a step pads to one)
             sizes = buckets.token_buckets(self.max_num_batched_tokens, self.max_num_seqs)
-            self.max_verify_tokens = max((size for size in sizes if size <= fits), default=0)
-        self.held_back = held_back if held_back < float("inf") else None
+            self.max_verify_tokens = max((size for size in sizes if size * per_token <= self.held_back), default=0)
+            log.info("replica %d: %.2f GiB of working memory held free beside the caches (the largest forward "
+                     "measured %.2f GiB); a verify step takes at most %d tokens", self.index, self.held_back / 2**30,
+                     working / 2**30, self.max_verify_tokens)
         if fixed_drafts and self.max_verify_tokens is not None and self.max_verify_tokens < fixed_drafts + 1:
-            need, room = (fixed_drafts + 1) * per_slot / 2**30, VERIFY_STATES_SHARE * held_back / 2**30
+            need = (fixed_drafts + 1) * per_token / 2**30
             raise ValueError(f"a verify step of one request with {fixed_drafts} drafts keeps {fixed_drafts + 1} "
-                             f"tokens' recurrent states ({need:.2f} GiB), more than the {room:.2f} GiB it may take: "
-                             f"lower num_speculative_tokens or --gpu-memory-utilization")
+                             f"tokens' recurrent states ({need:.2f} GiB), more than the {self.held_back / 2**30:.2f} "
+                             f"GiB the caches leave: lower num_speculative_tokens or --max-num-seqs, or raise "
+                             f"--gpu-memory-utilization")
+
+    def _probe_shapes(self, args: dict, spec) -> Shapes:
+        """The shapes of this replica's largest forward, whose working memory the plan holds free: the caches' sizes
+        do not change it, so the smallest stand in for those not planned yet."""
+        return Shapes(cfg=self.cfg, kernels=args["kernels"], tensor_parallel_size=int(np.prod(self.mesh.devices.shape)),
+                      enable_expert_parallel=self.mesh.shape.get("expert", 1) > 1, num_blocks=2,
+                      block_size=self.block_size, num_slots=2, num_snapshots=0, max_model_len=self.max_model_len,
+                      max_num_seqs=args["max_num_seqs"] or MAX_NUM_SEQS_CAP,
+                      max_num_batched_tokens=self.max_num_batched_tokens,
+                      num_speculative_tokens=spec.num_drafts)
 
     def _footprint(self, mesh: Mesh | AbstractMesh, weights: float) -> Footprint:
         """This model's bytes on one device of `mesh`: `weights`, and its shard of a slot and of a KV block."""

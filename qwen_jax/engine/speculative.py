@@ -87,8 +87,8 @@ def parse_speculative_config(config: dict | str | None, has_mtp: bool = True) ->
 # --batches 1,4,16,64 --verify 0,1,2,3 --context 1536` at 6824139 (RESULTS.json). Rows between two entries take the
 # larger's; past the last entry nothing is measured and no step speculates. 128 rows measured 1.32 / 1.52 / 1.69 but
 # stay out: a verify step holds every GDN layer's state after each of its tokens until its commit (~61 MB a token
-# for 35B-A3B: 46 GB at 256 rows of k = 3 ran out of memory), and the memory held back from the caches fits ~300
-# such tokens on an H200 (replica.VERIFY_STATES_SHARE caps every verify step to it, `max_verify_tokens`).
+# for 35B-A3B: 46 GB at 256 rows of k = 3 ran out of memory), and what the caches leave of an H200 fits ~300 such
+# tokens (the memory plan caps every verify step to it: replica.max_verify_tokens).
 VERIFY_COST = {1: (1.37, 1.68, 1.92), 4: (1.46, 1.90, 2.25), 16: (1.63, 1.97, 2.18), 64: (1.37, 1.46, 1.56)}
 # A fresh engine expects each draft accepted with this probability, held as PRIOR_ROWS verified rows' worth of
 # evidence: below what Qwen3.5's published acceptance lengths imply (~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3, about 0.9 a

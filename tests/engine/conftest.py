@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 from tiny_models import (
@@ -101,4 +102,26 @@ def kit() -> SimpleNamespace:
     """The constants and helpers above for test modules (conftest modules are not importable by name)."""
     return SimpleNamespace(ENGINE_ARGS=ENGINE_ARGS, BLOCK=BLOCK, EOS=EOS, EOS_PROMPT=EOS_PROMPT, EOS_STEP=EOS_STEP,
                            HYBRID_VOCAB=HYBRID_VOCAB, LLAMA_VOCAB=LLAMA_VOCAB, prompt=prompt,
-                           assert_idle=assert_idle, compile_counts=compile_counts)
+                           assert_idle=assert_idle, compile_counts=compile_counts,
+                           fake_memory=fake_memory)
+
+
+def fake_memory(monkeypatch, model_dir: str, args: dict, held_back: float, working: int = 0) -> None:
+    """Fake device memory statistics and a measured working memory (`working`, the largest forward's) under which a
+    replica of `model_dir` with engine `args` (its caches' sizes all given) has `held_back` bytes of its share of the
+    device beside its weights and caches: found from a replica planned on an empty device (memory in use moves what is
+    left one for one)."""
+    from qwen_jax.config import load_config
+    from qwen_jax.engine import replica as replica_module
+    from qwen_jax.engine.core import engine_args
+    from sharding import rules
+    from sharding.mesh import replica_meshes
+
+    device = type(jax.devices()[0])
+    monkeypatch.setattr(replica_module, "measure_working", lambda shapes, mesh: working)
+    monkeypatch.setattr(device, "memory_stats", lambda self: {"bytes_limit": 2**30, "bytes_in_use": 0})
+    cfg, mesh = load_config(model_dir), replica_meshes(1)[0]
+    empty = replica_module.Replica(0, cfg, rules.abstract_params(cfg, mesh), mesh, engine_args(args),
+                                   args["max_model_len"], [0], seed=0).held_back
+    in_use = int(empty - held_back)
+    monkeypatch.setattr(device, "memory_stats", lambda self: {"bytes_limit": 2**30, "bytes_in_use": in_use})

@@ -17,7 +17,7 @@ from qwen_jax import LLM, SamplingParams
 from qwen_jax.config import load_config
 from qwen_jax.engine import buckets, step
 from qwen_jax.engine import replica as replica_module
-from qwen_jax.engine.replica import VERIFY_STATES_SHARE
+from qwen_jax.engine.replica import VERIFY_WORKING_PER_STATE
 from qwen_jax.models.decoder import cache_shapes
 from qwen_jax.sampling_params import StructuredOutputsParams
 
@@ -144,22 +144,23 @@ def test_after_a_full_warm_up_a_varied_workload_compiles_nothing(hybrid_mtp_dir,
 
 
 def test_the_memory_plan_refuses_at_start_what_cannot_fit(hybrid_mtp_dir, kit, monkeypatch):
-    """A fixed num_speculative_tokens whose one-request verify step keeps more recurrent states than the memory held
-    back from the caches may take fails when the engine starts, naming what to lower; so does a warm-up whose
-    programs' working memory (as XLA reports it) does not fit what is held back. Never an out-of-memory while
-    serving."""
+    """A fixed num_speculative_tokens whose one-request verify step keeps more recurrent states than the memory the
+    caches leave fails when the engine starts, naming what to lower; so does a warm-up whose programs' working
+    memory (as XLA reports it) does not fit there. Never an out-of-memory while serving."""
     per_slot = sum(math.prod(s.shape) * s.dtype.itemsize
                    for s in jax.tree.leaves(cache_shapes(load_config(hybrid_mtp_dir), 0, kit.BLOCK, 1)))
-    limit = 2**30
-    monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda self: {"bytes_limit": limit, "bytes_in_use": 0})
-    util = 1.05 - 2.5 * per_slot / (VERIFY_STATES_SHARE * limit)  # room for the states of 2 verify tokens
-    args = dict(kit.ENGINE_ARGS, gpu_memory_utilization=util)
-    with pytest.raises(ValueError, match="lower num_speculative_tokens or --gpu-memory-utilization"):
-        LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **args)
-    llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **args)
+    per_token = VERIFY_WORKING_PER_STATE * per_slot
+    for drafts in (2, 1):  # room for the working memory of 2.5 verify tokens
+        config = {"method": "mtp", "num_speculative_tokens": drafts}
+        kit.fake_memory(monkeypatch, hybrid_mtp_dir, dict(kit.ENGINE_ARGS, speculative_config=config),
+                        held_back=2.5 * per_token)
+        if drafts == 2:
+            with pytest.raises(ValueError, match="lower num_speculative_tokens or --max-num-seqs"):
+                LLM(hybrid_mtp_dir, speculative_config=config, **kit.ENGINE_ARGS)
+    llm = LLM(hybrid_mtp_dir, speculative_config=config, **kit.ENGINE_ARGS)
     monkeypatch.undo()
     replica = llm.engine.replicas[0]
-    assert replica.max_verify_tokens == 2 and replica.held_back == pytest.approx(limit * (1.05 - util))
+    assert replica.max_verify_tokens == 2 and replica.held_back == pytest.approx(2.5 * per_token, abs=1)
     replica.held_back = 1024.0  # less than the programs' working memory
     with pytest.raises(ValueError, match=r"the step program (\S+) needs .* working memory.*lower --max-num-batched-"
                                          r"tokens") as refused:
@@ -167,3 +168,16 @@ def test_the_memory_plan_refuses_at_start_what_cannot_fit(hybrid_mtp_dir, kit, m
     working = replica.compiler.working_bytes
     largest = max(working, key=working.__getitem__)
     assert working[largest] > 1024 and str(refused.value).startswith(f"the step program {largest} needs")
+    # the device runs out of memory all the same (another process took some): the start ends naming the program
+    replica.held_back, runner = None, replica.runner
+    run = runner.executor
+
+    def out_of_memory(ops):
+        if isinstance(ops[0], step.Forward):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 11.22GiB")
+        return run(ops)
+
+    runner.executor = out_of_memory
+    with pytest.raises(MemoryError, match=r"the step program forward\[\d+\] ran out of device memory on its first "
+                                          r"run at start-up .*: lower --gpu-memory-utilization"):
+        llm.engine.warmup(full=False)

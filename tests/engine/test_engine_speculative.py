@@ -13,7 +13,7 @@ import pytest
 from qwen_jax import LLM, SamplingParams
 from qwen_jax.config import load_config
 from qwen_jax.engine import step
-from qwen_jax.engine.replica import VERIFY_STATES_SHARE
+from qwen_jax.engine.replica import VERIFY_WORKING_PER_STATE
 from qwen_jax.engine.speculative import MAX_DRAFTS, parse_speculative_config
 from qwen_jax.models.decoder import cache_shapes
 
@@ -143,17 +143,16 @@ def test_a_full_warmup_leaves_speculation_nothing_to_compile(plain, hybrid_mtp_d
 
 
 def test_verify_steps_fit_the_memory_held_back_from_the_caches(plain, hybrid_mtp_dir, kit, monkeypatch):
-    """On a device that reports its memory, a verify step's tokens are capped by the memory held back from the
-    caches (a verify step keeps a slot's worth of GDN state a token of its bucket until its commit): with room for 8
-    tokens, k = 2 verifies steps of up to 2 rows and decodes larger ones plainly, with plain decoding's tokens."""
+    """On a device that reports its memory, a verify step's tokens are capped by the memory the caches leave (a
+    verify step keeps a slot's worth of GDN state a token of its bucket until its commit): with room for 8 tokens,
+    k = 2 verifies steps of up to 2 rows and decodes larger ones plainly, with plain decoding's tokens."""
     per_slot = sum(math.prod(s.shape) * s.dtype.itemsize
                    for s in jax.tree.leaves(cache_shapes(load_config(hybrid_mtp_dir), 0, kit.BLOCK, 1)))
-    limit = 2**30
-    monkeypatch.setattr(type(jax.devices()[0]), "memory_stats", lambda self: {"bytes_limit": limit, "bytes_in_use": 0})
-    # held back: limit * (1.05 - util), VERIFY_STATES_SHARE of it for 8.5 tokens (capped to the bucket of 8)
-    util = 1.05 - 8.5 * per_slot / (VERIFY_STATES_SHARE * limit)
-    llm = LLM(hybrid_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-              **dict(kit.ENGINE_ARGS, gpu_memory_utilization=util))
+    config = {"method": "mtp", "num_speculative_tokens": 2}
+    # room for the working memory of 8.5 verify tokens: capped to the bucket of 8
+    kit.fake_memory(monkeypatch, hybrid_mtp_dir, dict(kit.ENGINE_ARGS, speculative_config=config),
+                    held_back=8.5 * VERIFY_WORKING_PER_STATE * per_slot)
+    llm = LLM(hybrid_mtp_dir, speculative_config=config, **kit.ENGINE_ARGS)
     monkeypatch.undo()
     replica = llm.engine.replicas[0]
     assert replica.max_verify_tokens == 8
