@@ -47,7 +47,7 @@ def main() -> None:
     replica = Replica(0, cfg, rules.abstract_params(cfg, mesh), mesh, args, resolve_max_model_len(cfg, a.max_model_len),
                       [cfg.vocab_size - 1], seed=0)
     held = "unknown" if replica.held_back is None else f"{replica.held_back / 2**30:.2f} GiB"
-    print(replica.describe(), f"; held back {held}; max_verify_tokens {replica.max_verify_tokens}", flush=True)
+    print(replica.describe(), f"; the caches leave {held}; max_verify_tokens {replica.max_verify_tokens}", flush=True)
     jobs = [key for key in replica.compiler.jobs(list(replica.shapes.token_buckets)) if re.search(a.only, key.name)]
     print(f"{len(jobs)} programs", flush=True)
 

@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None,
                    help=engine("block_size", "tokens per KV cache block"))
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help=engine("gpu_memory_utilization", "fraction of device memory for weights and cache"))
+                   help=engine("gpu_memory_utilization", "the share of each device the engine takes: weights, caches "
+                                "and the programs' working memory"))
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help=engine("enable_prefix_caching", "reuse the cache of a prompt's already computed prefix"))
     g.add_argument("--kv-cache-dtype", default="auto",

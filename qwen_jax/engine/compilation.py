@@ -511,7 +511,7 @@ class Compiler:
         if held_back is None or not self.working_bytes:
             return
         name, need = max(self.working_bytes.items(), key=lambda item: item[1])
-        log.info("working memory: at most %.2f GiB (%s); %.2f GiB held back from the caches", need / 2**30, name,
+        log.info("working memory: at most %.2f GiB (%s); the caches leave %.2f GiB", need / 2**30, name,
                  held_back / 2**30)
         if need > held_back:
             raise ValueError(
