@@ -45,6 +45,13 @@ COMPILE_THREADS = int(os.environ.get("QWEN_JAX_COMPILE_THREADS", "0")) or max(2,
 _WORKERS = os.environ.get("QWEN_JAX_COMPILE_WORKERS")
 COMPILE_WORKERS = int(_WORKERS) if _WORKERS else max(1, min(COMPILE_THREADS - 1, 8))
 
+# XLA's autotuning in the compile workers runs candidate kernels on the device (single buffers of up to ~14 GiB for
+# 35B-A3B's LM head): where the weights would leave less than this of a device, the programs compile before the
+# weights load (Compiler.compile_before_weights). An H200 beside 35B-A3B's weights (72 GiB left) compiled its 192
+# programs in 132 s with 8 workers; an H100 (12.7 GiB left) ran out of memory on 60 of 184, each compiled again alone:
+# 8 minutes.
+AUTOTUNE_ROOM = 48 * 2**30
+
 # How long a core whose own compile workers are done waits for the other cores' share of the programs before it
 # compiles what is still missing itself.
 OTHERS_GRACE_S = 60.0

@@ -169,6 +169,11 @@ class EngineCore:
         if compile_ahead is not None:
             for replica in self.replicas:
                 replica.compiler.begin(compile_ahead)
+            for replica in self.replicas:  # too little room for the weights beside the workers: they come after
+                if replica.compile_before_weights:
+                    log.info("replica %d: its programs compile before the weights load (the weights would leave the "
+                             "compile workers too little device memory)", replica.index)
+                    replica.compiler.compile(part=compile_ahead)
         t0 = time.perf_counter()
         replica_params = self._load_params(source, args, replica_meshes)
         jax.block_until_ready(replica_params)

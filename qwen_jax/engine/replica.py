@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from qwen_jax.config import ModelConfig
 from qwen_jax.engine import buckets
-from qwen_jax.engine.compilation import Compiler, measure_working, uses_workers
+from qwen_jax.engine.compilation import AUTOTUNE_ROOM, Compiler, measure_working, uses_workers
 from qwen_jax.engine.memory import BlockPool, SlotPool
 from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, MemoryPlanError, engine_share, plan_memory
 from qwen_jax.engine.prefix_cache import PrefixCache
@@ -99,9 +99,11 @@ class Replica:
         forward's, measured (compilation.measure_working), and the states a verify step of the rows speculation
         is given room for keeps (SPECULATING_ROWS). What the caches leave (`held_back`) is the programs': a verify
         step takes the largest token bucket whose states fit there. A configuration that does not fit is refused
-        here, before any program compiles (but that forward)."""
+        here, before any program compiles (but that forward). Also decides `compile_before_weights`: the weights
+        would leave the compile workers' autotuning too little of the device (AUTOTUNE_ROOM)."""
         cfg, block_size = self.cfg, self.block_size
         fixed_drafts = spec.num_drafts if spec.fixed else 0
+        self.compile_before_weights = False
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = [d.memory_stats() or {} for d in local]
         measured = bool(local) and all("bytes_limit" in s for s in stats)
@@ -113,6 +115,9 @@ class Replica:
             share = float(args["gpu_memory_utilization"])
             capacity, weights = min(((engine_share(s, share), s["bytes_in_use"] + unplaced) for s in stats),
                                     key=lambda device: device[0] - device[1])
+            # what the weights leave of the tightest device for the compile workers' autotuning
+            self.compile_before_weights = min(s["bytes_limit"] - s["bytes_in_use"] for s in stats) - unplaced \
+                < AUTOTUNE_ROOM
         else:  # no memory statistics (the CPU): a fixed cache budget, the weights not counted
             capacity, weights = float(args["cpu_cache_budget_gib"]) * 2**30, 0.0
         if jax.process_count() > 1:  # every host must build the same cache shapes and verify programs

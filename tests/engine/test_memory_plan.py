@@ -17,7 +17,7 @@ from support import shared_data
 
 from qwen_jax.config import load_config
 from qwen_jax.engine import replica as replica_module
-from qwen_jax.engine.compilation import measure_working, working_bytes
+from qwen_jax.engine.compilation import AUTOTUNE_ROOM, measure_working, working_bytes
 from qwen_jax.engine.core import EngineCore, engine_args
 from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, MemoryPlanError, engine_share, plan_memory
 from qwen_jax.engine.programs import ProgramKey, ProgramTable, Shapes
@@ -267,3 +267,22 @@ def test_the_largest_forwards_working_memory_is_measured_once_whatever_the_cache
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         jax.config.update("jax_compilation_cache_dir", previous)
+
+
+def test_programs_compile_before_the_weights_where_the_weights_leave_the_compile_workers_too_little(hybrid_dir,
+                                                                                                    tiny, monkeypatch):
+    """A core that compiles ahead compiles every program before its weights load when they would leave less than
+    AUTOTUNE_ROOM of the device (XLA's autotuning runs candidate kernels on it), and while they load otherwise."""
+    _, _, footprint, set_room = tiny
+    args = dict(compile_ahead=(0, 1), max_model_len=64, max_num_seqs=1, max_num_batched_tokens=4, block_size=BLOCK,
+                enable_prefix_caching=False, speculative_config="off")
+    set_room(8 * (footprint.per_slot + footprint.per_counts + 4 * footprint.per_block))
+    core = EngineCore(hybrid_dir, **args)
+    replica = core.replicas[0]
+    assert replica.compile_before_weights and replica.compiler.jobs(replica.shapes.token_buckets) == []
+    roomy = AUTOTUNE_ROOM + 2**30
+    monkeypatch.setattr(type(jax.devices()[0]), "memory_stats",
+                        lambda self: {"bytes_limit": 2 * roomy, "bytes_in_use": roomy})
+    core = EngineCore(hybrid_dir, **args)
+    replica = core.replicas[0]
+    assert not replica.compile_before_weights and replica.compiler.jobs(replica.shapes.token_buckets)
