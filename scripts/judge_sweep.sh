@@ -29,7 +29,7 @@ echo "$TAG launched at $(date +%T.%N)"
 echo "$TAG ready_s $(since "$t0") (the compile cache had $cached entries at launch: 0 is a cold start)"
 MODEL="$MODEL" TAG="$TAG" bash scripts/judge_levels.sh "$@"
 grep -c "compiled " "$QWEN_JAX_LOG" | sed "s/^/$TAG programs compiled: /"
-grep "compiled .* programs in\|working memory\|held free\|max_num_seqs\|KV cache\|layout:\|loaded " "$QWEN_JAX_LOG" | cut -c1-260
+grep "compiled .* programs in\|working memory\|max_num_seqs\|KV cache\|layout:\|loaded " "$QWEN_JAX_LOG" | cut -c1-260
 bash scripts/startup_timeline.sh "$QWEN_JAX_LOG"
 ./start.sh --stop > /dev/null
 if [[ "${RESTART:-0}" == 1 ]]; then

@@ -29,7 +29,7 @@ cached=$(ls "${CACHE:-/tmp/qwen_jax_cc}" 2>/dev/null | wc -l)
 t0=$(now)
 ./start.sh "${ARGS[@]}" "$@" > "$OUT/start.txt" 2>&1 || { echo "start failed"; tail -40 "$QWEN_JAX_LOG"; exit 1; }
 echo "ready_s $(since "$t0") (compile cache entries at launch: $cached)"
-grep "max_num_seqs\|held free\|working memory\|device memory\|KV cache\|compiled .* programs in" "$QWEN_JAX_LOG" \
+grep "max_num_seqs\|working memory\|device memory\|KV cache\|compiled .* programs in" "$QWEN_JAX_LOG" \
   | cut -c1-300
 python3 -m qwen_jax.bench.serve --base-url http://127.0.0.1:8000 --model m --tokenizer "$MODEL" \
   --concurrency "${LEVELS:-1,16,32}" --waves 2 --levels-out "$OUT/levels.json" --input-len 1024 --output-len 1024 --temperature 1 --results "$OUT/RESULTS.json" \

@@ -42,6 +42,11 @@ DECODE_STEPS_MAX_ROWS = 8
 # The default token budget of a step (engine argument max_num_batched_tokens; core.py says why).
 GPU_BATCHED_TOKENS = 8192
 BATCHED_TOKENS = 2048
+# Where the caches (planned without the programs' working memory) leave this much of the engine's share, the largest
+# forward's working memory is not measured before planning (its compile costs a start 15-25 s for 35B-A3B): it changes
+# nothing there, and check_memory checks every compiled program's against what the caches leave. 35B-A3B's largest,
+# forward[8192], needs 2.22 GiB (H100).
+UNMEASURED_ROOM = 8 * 2**30
 # A verify step keeps every GDN layer's state after each of its tokens until its commit (a slot's worth a token): its
 # working memory is those states and this much more (verify[32, k=3] of 35B-A3B on an H100: 2.10 GiB for 1.91 GiB
 # of states).
@@ -96,11 +101,12 @@ class Replica:
         """Cache sizes from the tightest device of this replica (memory_plan.plan_memory): the share of it this
         engine may take (gpu_memory_utilization of the device), less the weights (`params`' leaves that are only
         shapes yet count as placed) and the working memory held free for the programs: the larger of the largest
-        forward's, measured (compilation.measure_working), and the states a verify step of the rows speculation
-        is given room for keeps (SPECULATING_ROWS). What the caches leave (`held_back`) is the programs': a verify
-        step takes the largest token bucket whose states fit there. A configuration that does not fit is refused
-        here, before any program compiles (but that forward). Also decides `compile_before_weights`: the weights
-        would leave the compile workers' autotuning too little of the device (AUTOTUNE_ROOM)."""
+        forward's, measured (compilation.measure_working) where the caches would leave less than UNMEASURED_ROOM,
+        and the states a verify step of the rows speculation is given room for keeps (SPECULATING_ROWS). What the
+        caches leave (`held_back`) is the programs': a verify step takes the largest token bucket whose states fit
+        there. A configuration that does not fit is refused here, before any program compiles (but that forward).
+        Also decides `compile_before_weights`: the weights would leave the compile workers' autotuning too little
+        of the device (AUTOTUNE_ROOM)."""
         cfg, block_size = self.cfg, self.block_size
         fixed_drafts = spec.num_drafts if spec.fixed else 0
         self.compile_before_weights = False
@@ -139,8 +145,12 @@ class Replica:
                 num_snapshots=args["num_snapshots"], num_kv_blocks=args["num_kv_blocks"], working=reserve,
                 wider=self._wider_footprints)
 
-        plan_for(0, 0.0)  # what cannot fit even without the programs is refused before anything compiles
-        working = float(measure_working(self._probe_shapes(args, spec), self.mesh)) if measured else 0.0
+        # what cannot fit even without the programs is refused before anything compiles; where the caches leave
+        # UNMEASURED_ROOM, measuring the working memory would change nothing (check_memory checks every program's)
+        tight = measured and plan_for(0, 0.0)[1].spare < UNMEASURED_ROOM
+        if jax.process_count() > 1:
+            tight = bool(multihost_utils.process_allgather(np.array(tight)).any())
+        working = float(measure_working(self._probe_shapes(args, spec), self.mesh)) if tight else 0.0
         if jax.process_count() > 1:
             working = float(multihost_utils.process_allgather(np.array(working, np.float64)).max())
         few, many = SPECULATING_ROWS
@@ -164,9 +174,10 @@ class Replica:
         if footprint.per_slot and self.held_back is not None:  # the largest token bucket that fits (a step pads to one)
             sizes = buckets.token_buckets(self.max_num_batched_tokens, self.max_num_seqs)
             self.max_verify_tokens = max((size for size in sizes if size * per_token <= self.held_back), default=0)
-            log.info("replica %d: %.2f GiB of working memory held free beside the caches (the largest forward "
-                     "measured %.2f GiB); a verify step takes at most %d tokens", self.index, self.held_back / 2**30,
-                     working / 2**30, self.max_verify_tokens)
+            log.info("replica %d: the caches leave %.2f GiB for the programs' working memory (the largest forward's: "
+                     "%s); a verify step takes at most %d tokens", self.index, self.held_back / 2**30,
+                     f"{working / 2**30:.2f} GiB" if working else "not measured, the caches leave enough",
+                     self.max_verify_tokens)
         if fixed_drafts and self.max_verify_tokens is not None and self.max_verify_tokens < fixed_drafts + 1:
             need = (fixed_drafts + 1) * per_token / 2**30
             raise ValueError(f"a verify step of one request with {fixed_drafts} drafts keeps {fixed_drafts + 1} "

@@ -21,7 +21,7 @@ from qwen_jax.engine.compilation import AUTOTUNE_ROOM, measure_working, working_
 from qwen_jax.engine.core import EngineCore, engine_args
 from qwen_jax.engine.memory_plan import MAX_NUM_SEQS_CAP, Footprint, MemoryPlanError, engine_share, plan_memory
 from qwen_jax.engine.programs import ProgramKey, ProgramTable, Shapes
-from qwen_jax.engine.replica import Replica
+from qwen_jax.engine.replica import UNMEASURED_ROOM, Replica
 from qwen_jax.engine.sampler import table_bytes_per_slot
 from sharding import rules
 from sharding.mesh import AXES, replica_meshes
@@ -272,7 +272,8 @@ def test_the_largest_forwards_working_memory_is_measured_once_whatever_the_cache
 def test_programs_compile_before_the_weights_where_the_weights_leave_the_compile_workers_too_little(hybrid_dir,
                                                                                                     tiny, monkeypatch):
     """A core that compiles ahead compiles every program before its weights load when they would leave less than
-    AUTOTUNE_ROOM of the device (XLA's autotuning runs candidate kernels on it), and while they load otherwise."""
+    AUTOTUNE_ROOM of the device (XLA's autotuning runs candidate kernels on it), and while they load otherwise; there
+    the caches leave so much that the largest forward's working memory is not measured before they are planned."""
     _, _, footprint, set_room = tiny
     args = dict(compile_ahead=(0, 1), max_model_len=64, max_num_seqs=1, max_num_batched_tokens=4, block_size=BLOCK,
                 enable_prefix_caching=False, speculative_config="off")
@@ -283,6 +284,8 @@ def test_programs_compile_before_the_weights_where_the_weights_leave_the_compile
     roomy = AUTOTUNE_ROOM + 2**30
     monkeypatch.setattr(type(jax.devices()[0]), "memory_stats",
                         lambda self: {"bytes_limit": 2 * roomy, "bytes_in_use": roomy})
+    monkeypatch.setattr(replica_module, "measure_working", None)  # the caches leave UNMEASURED_ROOM: not measured
     core = EngineCore(hybrid_dir, **args)
     replica = core.replicas[0]
     assert not replica.compile_before_weights and replica.compiler.jobs(replica.shapes.token_buckets)
+    assert replica.held_back > UNMEASURED_ROOM
