@@ -85,11 +85,13 @@ def parse_speculative_config(config: dict | str | None, has_mtp: bool = True) ->
 # for up to 8 rows), each program issued before the one before it is read back, as the engine core runs them. One
 # H200, Qwen3.5-35B-A3B with random weights, context 1,536, `python -m qwen_jax.bench.step_profile --kernels gpu
 # --batches 1,4,16,64 --verify 0,1,2,3 --context 1536` at 6824139 (RESULTS.json). Rows between two entries take the
-# larger's; past the last entry nothing is measured and no step speculates. 128 rows measured 1.32 / 1.52 / 1.69 but
-# stay out: a verify step holds every GDN layer's state after each of its tokens until its commit (~61 MB a token
-# for 35B-A3B: 46 GB at 256 rows of k = 3 ran out of memory), and what the caches leave of an H200 fits ~300 such
-# tokens (the memory plan caps every verify step to it: replica.max_verify_tokens).
-VERIFY_COST = {1: (1.37, 1.68, 1.92), 4: (1.46, 1.90, 2.25), 16: (1.63, 1.97, 2.18), 64: (1.37, 1.46, 1.56)}
+# larger's; past the last entry nothing is measured and no step speculates. 128 rows: the same command with
+# `--batches 128 --steps 4` (plain 27.12 ms a step). A verify step holds every GDN layer's state after each of its
+# tokens until its commit (~61 MB a token for 35B-A3B: 256 rows of k = 3 ran out of memory), so the memory plan caps
+# its tokens to what the caches leave (replica.max_verify_tokens; ~300 on an H200 by default): at 128 rows, only the
+# k that fit are chosen from.
+VERIFY_COST = {1: (1.37, 1.68, 1.92), 4: (1.46, 1.90, 2.25), 16: (1.63, 1.97, 2.18), 64: (1.37, 1.46, 1.56),
+               128: (1.32, 1.52, 1.69)}
 # A fresh engine expects each draft accepted with this probability, held as PRIOR_ROWS verified rows' worth of
 # evidence: below what Qwen3.5's published acceptance lengths imply (~1.9 / 2.7 / 3.4 for k = 1 / 2 / 3, about 0.9 a
 # draft; 0.8 gives 1.8 / 2.4 / 3.0), so a fresh engine does not overrate speculation.

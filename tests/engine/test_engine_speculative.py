@@ -317,3 +317,25 @@ def test_aborting_a_request_while_its_verify_program_runs_leaves_the_others_exac
             tokens["kept"] += out.new_token_ids
     assert tokens["kept"] == plain.generate([prompts["kept"]], params)[0].token_ids
     kit.assert_idle(llm)
+
+
+def test_speculation_at_128_rows_emits_plain_decodings_tokens(hybrid_mtp_dir, kit):
+    """The default policy verifies steps of 128 decoding rows (VERIFY_COST's measured 128-row costs; a CPU has no
+    device memory to cap the tokens): greedy rows emit plain decoding's tokens, and seeded sampled rows (top-k,
+    top-p, a penalty) the tokens plain decoding draws with the same keys, so its distribution too."""
+    args = dict(kit.ENGINE_ARGS, max_num_seqs=128, max_num_batched_tokens=512, num_kv_blocks=128 * 2 + 8,
+                num_snapshots=0, enable_prefix_caching=False)
+    prompts = [kit.prompt(5 + n % 4, seed=2000 + n) for n in range(128)]
+    params = [greedy(7, ignore_eos=True) if n % 2 else
+              SamplingParams(max_tokens=7, temperature=0.9, top_k=6, top_p=0.9, presence_penalty=0.5, seed=n,
+                             ignore_eos=True) for n in range(128)]
+    expected = [o.token_ids for o in LLM(hybrid_mtp_dir, speculative_config="off", **args).generate(prompts, params)]
+    llm = LLM(hybrid_mtp_dir, **args)
+    policy = llm.engine.replicas[0].scheduler.speculation
+    verified_at = []
+    drafts_for = policy.drafts_for
+    policy.drafts_for = lambda rows: verified_at.append((rows, drafts_for(rows))) or verified_at[-1][1]
+    assert policy.drafts_at(128) > 0
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert any(rows == 128 and k for rows, k in verified_at)
+    kit.assert_idle(llm)
