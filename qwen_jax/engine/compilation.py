@@ -87,11 +87,8 @@ def measure_working(shapes: Shapes, mesh) -> int:
     bucket's, compiled here (a few seconds; its record is kept under the compilation cache, so a restart reads it).
     The memory plan holds it free beside the caches."""
     key = ProgramKey("forward", shapes.token_buckets[-1])
-    digest = hashlib.sha256(pickle.dumps((shapes, key, dict(mesh.shape), mesh.devices.flat[0].device_kind,
-                                          jax.__version__, os.environ.get("XLA_FLAGS", ""),
-                                          source_digest()))).hexdigest()[:24]
     root = jax.config.jax_compilation_cache_dir
-    record = os.path.join(root, "qwen_jax_working", digest) if root else None
+    record = os.path.join(root, "qwen_jax_working", programs_digest(shapes, mesh, key)) if root else None
     if record and os.path.exists(record):
         with open(record) as f:
             return int(f.read())
@@ -105,6 +102,14 @@ def measure_working(shapes: Shapes, mesh) -> int:
             f.write(str(working))
         os.replace(record + f".{os.getpid()}.tmp", record)
     return working
+
+
+def programs_digest(shapes: Shapes, mesh, *more) -> str:
+    """A digest of everything programs of `shapes` on `mesh` depend on (and of `more`): the model, the shapes, the
+    devices, JAX, XLA's flags and this package's source. Names what is kept of them under the compilation cache."""
+    return hashlib.sha256(pickle.dumps((shapes, *more, dict(mesh.shape), mesh.devices.flat[0].device_kind,
+                                        jax.__version__, os.environ.get("XLA_FLAGS", ""),
+                                        source_digest()))).hexdigest()[:24]
 
 
 @functools.cache
@@ -415,12 +420,8 @@ class Compiler:
         """The folder compile workers store this runner's programs in: under the persistent compilation cache (a
         restart loads them without compiling or lowering), keyed by everything a program depends on: the model,
         the runner's shapes and drafts, the devices, JAX, XLA's flags and this package's source."""
-        r = self.runner
-        key = hashlib.sha256(pickle.dumps((self.shapes, dict(r.mesh.shape), r.mesh.devices.flat[0].device_kind,
-                                           jax.__version__, os.environ.get("XLA_FLAGS", ""),
-                                           source_digest()))).hexdigest()[:24]
         root = jax.config.jax_compilation_cache_dir or tempfile.gettempdir()
-        store = os.path.join(root, "qwen_jax_programs", key)
+        store = os.path.join(root, "qwen_jax_programs", programs_digest(self.shapes, self.runner.mesh))
         os.makedirs(store, exist_ok=True)
         return store
 

@@ -137,8 +137,8 @@ def plan_memory(capacity: float, footprint: Footprint, *, block_size: int, max_m
             raise MemoryPlanError(
                 f"recurrent state for {seqs} sequences needs {(seqs + 1) * per_seq / GiB:.2f} GiB ({seqs + 1} slots "
                 f"of {per_seq / 2**20:.1f} MiB), {room / GiB:.2f} GiB are free beside the weights and the programs' "
-                f"working memory: at most {fits} "
-                f"sequences fit at max_model_len {max_model_len} on this device; use --max-num-seqs {fits}{or_tp()}",
+                f"working memory: at most {fits} sequences fit at max_model_len {max_model_len} on this device; use "
+                f"--max-num-seqs {fits}{or_tp()}",
                 "max_num_seqs", fits)
         seqs = 1  # not even one sequence of max_model_len fits: max_model_len binds, whatever the sequences
     blocks = usable_blocks(seqs)

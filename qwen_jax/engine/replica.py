@@ -81,14 +81,10 @@ class Replica:
         steps = args["num_scheduler_steps"]
         if steps is None:
             steps = DECODE_STEPS if jax.default_backend() == "gpu" else 1
-        self.shapes = Shapes(
-            cfg=cfg, kernels=args["kernels"], tensor_parallel_size=int(np.prod(mesh.devices.shape)),
-            enable_expert_parallel=mesh.shape.get("expert", 1) > 1, num_blocks=self.num_blocks,
-            block_size=self.block_size, num_slots=self.max_num_seqs + 1,
-            num_snapshots=self.num_snapshots if self.prefix_cache else 0, max_model_len=max_model_len,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+        self.shapes = self._shapes(
+            args, spec, num_blocks=self.num_blocks, num_slots=self.max_num_seqs + 1,
+            num_snapshots=self.num_snapshots if self.prefix_cache else 0, max_num_seqs=self.max_num_seqs,
             decode_steps=int(steps), decode_steps_max_rows=DECODE_STEPS_MAX_ROWS,
-            num_speculative_tokens=spec.num_drafts,
             drafts_at=tuple(policy.drafts_at(rows) for rows in range(1, self.max_num_seqs + 1)) if policy else ())
         self.scheduler = Scheduler(self.blocks, self.slots, self.max_num_seqs, self.max_num_batched_tokens,
                                    self.prefix_cache, max_model_len, policy, self.shapes, eos_token_ids)
@@ -112,10 +108,10 @@ class Replica:
         self.compile_before_weights = False
         local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = [d.memory_stats() or {} for d in local]
-        measured = bool(local) and all("bytes_limit" in s for s in stats)
+        reported = bool(local) and all("bytes_limit" in s for s in stats)  # memory statistics
         if not local:  # a replica on other hosts: theirs decide (the allgather below)
             capacity, weights = float("inf"), 0.0
-        elif measured:
+        elif reported:
             unplaced = rules.shard_bytes([leaf for leaf in jax.tree.leaves(params or {})
                                           if isinstance(leaf, jax.ShapeDtypeStruct)])
             share = float(args["gpu_memory_utilization"])
@@ -127,18 +123,18 @@ class Replica:
         else:  # no memory statistics (the CPU): a fixed cache budget, the weights not counted
             capacity, weights = float(args["cpu_cache_budget_gib"]) * 2**30, 0.0
         if jax.process_count() > 1:  # every host must build the same cache shapes and verify programs
-            hosts = multihost_utils.process_allgather(np.array([capacity, weights, measured], np.float64))
+            hosts = multihost_utils.process_allgather(np.array([capacity, weights, reported], np.float64))
             capacity, weights = (float(v) for v in hosts[np.argmin(hosts[:, 0] - hosts[:, 1]), :2])
-            measured = measured or bool(hosts[:, 2].max())
+            reported = reported or bool(hosts[:, 2].max())
         max_num_seqs = args["max_num_seqs"]
-        if max_num_seqs is None and not measured:  # no device reports its memory: the cap, as before
+        if max_num_seqs is None and not reported:  # no device reports its memory: the cap, as before
             max_num_seqs = MAX_NUM_SEQS_CAP
         footprint = self._footprint(self.mesh, weights)
         per_token = VERIFY_WORKING_PER_STATE * footprint.per_slot  # a verify token's working memory
         drafts = spec.num_drafts
 
         def plan_for(rows: int, working: float):  # (working memory held free, plan) with verify room for `rows`
-            reserve = max(working, per_token * rows * (drafts + 1)) if drafts and measured else working
+            reserve = max(working, per_token * rows * (drafts + 1)) if drafts and reported else working
             return reserve, plan_memory(
                 capacity, footprint, block_size=block_size, max_model_len=self.max_model_len,
                 max_num_seqs=max_num_seqs, keeps_snapshots=cfg.is_hybrid and bool(args["enable_prefix_caching"]),
@@ -146,11 +142,14 @@ class Replica:
                 wider=self._wider_footprints)
 
         # what cannot fit even without the programs is refused before anything compiles; where the caches leave
-        # UNMEASURED_ROOM, measuring the working memory would change nothing (check_memory checks every program's)
-        tight = measured and plan_for(0, 0.0)[1].spare < UNMEASURED_ROOM
-        if jax.process_count() > 1:
-            tight = bool(multihost_utils.process_allgather(np.array(tight)).any())
-        working = float(measure_working(self._probe_shapes(args, spec), self.mesh)) if tight else 0.0
+        # UNMEASURED_ROOM, measuring the working memory would change nothing (check_memory checks every program's).
+        # Every host plans alike: capacity and weights are the hosts' tightest.
+        working = 0.0
+        if reported and plan_for(0, 0.0)[1].spare < UNMEASURED_ROOM:
+            # the largest forward: the caches' sizes do not change its working memory, so the smallest stand in
+            working = float(measure_working(self._shapes(args, spec, num_blocks=2, num_slots=2, num_snapshots=0,
+                                                         max_num_seqs=args["max_num_seqs"] or MAX_NUM_SEQS_CAP),
+                                            self.mesh))
         if jax.process_count() > 1:
             working = float(multihost_utils.process_allgather(np.array(working, np.float64)).max())
         few, many = SPECULATING_ROWS
@@ -169,7 +168,7 @@ class Replica:
                      "%d; --max-num-seqs sets it)", self.index, plan.max_num_seqs, MAX_NUM_SEQS_CAP,
                      self.max_model_len)
         self.max_num_seqs, self.num_blocks, self.num_snapshots = plan.max_num_seqs, plan.num_blocks, plan.num_snapshots
-        self.held_back = reserve + plan.spare if measured else None  # the programs' memory beside the caches
+        self.held_back = reserve + plan.spare if reported else None  # the programs' memory beside the caches
         self.max_verify_tokens = None  # the most tokens a verify step takes (None: no cap known)
         if footprint.per_slot and self.held_back is not None:  # the largest token bucket that fits (a step pads to one)
             sizes = buckets.token_buckets(self.max_num_batched_tokens, self.max_num_seqs)
@@ -185,15 +184,12 @@ class Replica:
                              f"GiB the caches leave: lower num_speculative_tokens or --max-num-seqs, or raise "
                              f"--gpu-memory-utilization")
 
-    def _probe_shapes(self, args: dict, spec) -> Shapes:
-        """The shapes of this replica's largest forward, whose working memory the plan holds free: the caches' sizes
-        do not change it, so the smallest stand in for those not planned yet."""
+    def _shapes(self, args: dict, spec, **sizes) -> Shapes:
+        """This replica's Shapes with the cache and batch `sizes` given (Shapes' fields)."""
         return Shapes(cfg=self.cfg, kernels=args["kernels"], tensor_parallel_size=int(np.prod(self.mesh.devices.shape)),
-                      enable_expert_parallel=self.mesh.shape.get("expert", 1) > 1, num_blocks=2,
-                      block_size=self.block_size, num_slots=2, num_snapshots=0, max_model_len=self.max_model_len,
-                      max_num_seqs=args["max_num_seqs"] or MAX_NUM_SEQS_CAP,
-                      max_num_batched_tokens=self.max_num_batched_tokens,
-                      num_speculative_tokens=spec.num_drafts)
+                      enable_expert_parallel=self.mesh.shape.get("expert", 1) > 1, block_size=self.block_size,
+                      max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                      num_speculative_tokens=spec.num_drafts, **sizes)
 
     def _footprint(self, mesh: Mesh | AbstractMesh, weights: float) -> Footprint:
         """This model's bytes on one device of `mesh`: `weights`, and its shard of a slot and of a KV block."""
